@@ -1,0 +1,1 @@
+"""Helpers shared by megaport's tests (import as ``from support.gitrepos import ...``)."""
