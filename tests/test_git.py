@@ -1,0 +1,312 @@
+"""megaport.git (and megaport.progress): the git helpers, on throwaway local repositories."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from support.gitrepos import bare_clone, branch, commit, git, make_repo
+
+from megaport.errors import MegaportError
+from megaport.git import (
+    BlobReader,
+    GitError,
+    git_env,
+    git_reason,
+    has_commit,
+    is_ancestor,
+    is_dirty,
+    is_shallow,
+    ls_tree_paths,
+    rev_parse,
+    run_git,
+)
+from megaport.progress import parse_progress_line, run_git_with_progress
+
+BINARY = bytes(range(256)) * 4 + b"\r\n\0\r"
+FILES = {
+    "README.md": "# upstream\n",
+    "crlf.txt": b"line one\r\nline two\r\n",
+    "data/blob.bin": BINARY,
+    "pkg/__init__.py": "",
+    "pkg/core/mod.py": "x = 1\n",
+    "pkg/core/util.py": "y = 2\n",
+    "caf\u00e9.txt": "unicode name\n",
+}
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo"
+    make_repo(path, FILES, tag="v1")
+    commit(path, {"README.md": "# upstream v2\n"}, "second", delete=["pkg/core/util.py"])
+    return path
+
+
+# -- run_git / errors ------------------------------------------------------------------
+def test_run_git_returns_output(repo: Path) -> None:
+    proc = run_git(["rev-parse", "HEAD"], repo)
+    assert proc.returncode == 0
+    assert len(proc.stdout.strip()) == 40
+
+
+def test_run_git_raises_one_line_megaport_error(repo: Path) -> None:
+    with pytest.raises(GitError) as info:
+        run_git(["rev-parse", "--verify", "no-such-ref"], repo)
+    err = info.value
+    assert isinstance(err, MegaportError)
+    assert "\n" not in str(err)
+    assert str(err).startswith("git rev-parse failed: ")
+    assert err.returncode != 0
+    assert err.exit_code == 1
+
+
+def test_run_git_check_false_and_bytes(repo: Path) -> None:
+    assert run_git(["rev-parse", "--verify", "nope"], repo, check=False).returncode != 0
+    proc = run_git(["cat-file", "blob", "HEAD:data/blob.bin"], repo, text=False)
+    assert proc.stdout == BINARY
+
+
+def test_run_git_input_and_env(repo: Path) -> None:
+    proc = run_git(["hash-object", "--stdin"], repo, input="abc")
+    assert proc.stdout.strip() == "f2ba8f84ab5c1bce84a7b441cb1959cfc7093b7f"
+    proc = run_git(["var", "GIT_AUTHOR_IDENT"], repo, env={"GIT_AUTHOR_NAME": "Zed"})
+    assert proc.stdout.startswith("Zed ")
+
+
+def test_git_env_drops_repository_variables(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As inside a git hook: GIT_DIR would otherwise point every command at another repo.
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("GIT_INDEX_FILE", str(tmp_path / "index"))
+    monkeypatch.setenv("GIT_SSH_COMMAND", "ssh -v")
+    env = git_env()
+    assert "GIT_DIR" not in env and "GIT_INDEX_FILE" not in env
+    assert env["GIT_SSH_COMMAND"] == "ssh -v"
+    assert env["GIT_TERMINAL_PROMPT"] == "0"
+    assert rev_parse(repo, "HEAD") is not None
+
+
+def test_missing_cwd_is_a_git_error(tmp_path: Path) -> None:
+    with pytest.raises(GitError, match="directory not found"):
+        run_git(["status"], tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("stderr", "reason"),
+    [
+        ("fatal: couldn't find remote ref refs/heads/x\n", "couldn't find remote ref refs/heads/x"),
+        (
+            "fatal: '/x' does not appear to be a git repository\n"
+            "fatal: Could not read from remote repository.\n\n"
+            "Please make sure you have the correct access rights\nand the repository exists.\n",
+            "'/x' does not appear to be a git repository",
+        ),
+        (
+            "git@github.com: Permission denied (publickey).\r\n"
+            "fatal: Could not read from remote repository.\n",
+            "git@github.com: Permission denied (publickey).",
+        ),
+        ("remote: Repository not found.\nfatal: repository 'https://h/x/' not found\n",
+         "repository 'https://h/x/' not found"),
+        ("warning: something\n", "warning: something"),
+        ("", ""),
+    ],
+)
+def test_git_reason(stderr: str, reason: str) -> None:
+    assert git_reason(stderr) == reason
+
+
+# -- queries ---------------------------------------------------------------------------
+def test_rev_parse(repo: Path) -> None:
+    head = git(repo, "rev-parse", "HEAD")
+    assert rev_parse(repo, "HEAD") == head
+    assert rev_parse(repo, head[:8]) == head
+    assert rev_parse(repo, "v1") == git(repo, "rev-parse", "HEAD~1")
+    assert rev_parse(repo, "missing") is None
+    assert rev_parse(repo, "--all") is None
+    assert rev_parse(repo, "") is None
+
+
+def test_has_commit_and_is_ancestor(repo: Path) -> None:
+    first, second = git(repo, "rev-parse", "HEAD~1"), git(repo, "rev-parse", "HEAD")
+    assert has_commit(repo, first) and has_commit(repo, second[:10])
+    assert not has_commit(repo, "0" * 40)
+    tree = git(repo, "rev-parse", "HEAD^{tree}")
+    assert not has_commit(repo, tree)
+    assert is_ancestor(repo, first, second)
+    assert is_ancestor(repo, second, second)
+    assert not is_ancestor(repo, second, first)
+    with pytest.raises(GitError):
+        is_ancestor(repo, "0" * 40, second)
+
+
+def test_is_shallow(repo: Path, tmp_path: Path) -> None:
+    assert not is_shallow(repo)
+    shallow = tmp_path / "shallow"
+    git(tmp_path, "clone", "--quiet", "--depth=1", f"file://{repo}", str(shallow))
+    assert is_shallow(shallow)
+    assert is_shallow(shallow / "pkg")  # from a subdirectory too
+
+
+def test_is_dirty(repo: Path) -> None:
+    assert not is_dirty(repo)
+    (repo / ".gitignore").write_text("*.log\n")
+    assert is_dirty(repo)  # untracked
+    commit(repo, {}, "ignore logs")
+    (repo / "build.log").write_text("ignored\n")
+    assert not is_dirty(repo)  # ignored files do not count
+    (repo / "crlf.txt").write_bytes(b"line one\nline two\n")  # only line endings change
+    assert is_dirty(repo)
+    git(repo, "checkout", "--", "crlf.txt")
+    assert not is_dirty(repo)
+    (repo / "README.md").write_text("staged\n")
+    git(repo, "add", "README.md")
+    assert is_dirty(repo)
+
+
+def test_ls_tree_paths(repo: Path) -> None:
+    first = git(repo, "rev-parse", "HEAD~1")
+    assert ls_tree_paths(repo, first) == sorted(FILES, key=lambda p: p.encode())
+    assert ls_tree_paths(repo, first, "pkg/core") == ["pkg/core/mod.py", "pkg/core/util.py"]
+    assert ls_tree_paths(repo, first, "pkg/core/") == ["pkg/core/mod.py", "pkg/core/util.py"]
+    assert ls_tree_paths(repo, "HEAD", "pkg/core") == ["pkg/core/mod.py"]
+    assert ls_tree_paths(repo, first, "pkg/co") == []
+    assert ls_tree_paths(repo, first, "crlf.txt") == ["crlf.txt"]
+    with (repo / "pkg").joinpath("x").open("w"):
+        pass
+    # independent of the working directory inside the repository
+    assert ls_tree_paths(repo / "pkg", first, "pkg/core") == ["pkg/core/mod.py", "pkg/core/util.py"]
+
+
+# -- BlobReader ------------------------------------------------------------------------
+def test_blob_reader_reads_without_checkout(repo: Path, tmp_path: Path) -> None:
+    bare = bare_clone(repo, tmp_path / "bare.git")
+    first = git(repo, "rev-parse", "v1")
+    with BlobReader(bare, "v1") as tree:
+        assert tree.commit == first
+        assert tree.read("README.md") == b"# upstream\n"
+        assert tree.read("crlf.txt") == b"line one\r\nline two\r\n"
+        assert tree.read("data/blob.bin") == BINARY
+        assert tree.read("pkg/__init__.py") == b""
+        assert tree.read("caf\u00e9.txt") == b"unicode name\n"
+        assert tree.read("./pkg//core/mod.py") == b"x = 1\n"
+        assert tree.read("missing.txt") is None
+        assert tree.read("pkg/missing/mod.py") is None
+        assert tree.read("pkg") is None  # a directory is not a file
+        assert tree.exists("pkg/core/util.py") and tree.exists("pkg") and tree.exists("")
+        assert not tree.exists("pkg/nope")
+        assert tree.is_dir("pkg/core") and not tree.is_dir("README.md")
+        assert tree.list_dir("") == ["README.md", "caf\u00e9.txt", "crlf.txt", "data", "pkg"]
+        assert tree.list_dir("pkg") == ["__init__.py", "core"]
+        assert tree.list_dir("README.md") is None
+        assert tree.list_dir("nope") is None
+        pid = tree._proc.pid  # one long-lived process serves every read
+        for _ in range(50):
+            tree.read("pkg/core/mod.py")
+        assert tree._proc.pid == pid
+    with pytest.raises(ValueError):
+        tree.read("README.md")
+    with BlobReader(repo, "HEAD") as head:
+        assert head.read("pkg/core/util.py") is None
+        assert head.read("README.md") == b"# upstream v2\n"
+    # nothing was checked out of the bare repository
+    assert not (bare / "README.md").exists()
+
+
+def test_blob_reader_large_file_and_many_reads(tmp_path: Path) -> None:
+    big = bytes(range(256)) * 8192  # 2 MiB, more than any pipe buffer
+    path = tmp_path / "r"
+    files = {f"f{i}.txt": f"{i}\n" for i in range(300)}
+    make_repo(path, {**files, "big.bin": big})
+    with BlobReader(path, "HEAD") as tree:
+        assert tree.read("big.bin") == big
+        for i in range(300):
+            assert tree.read(f"f{i}.txt") == f"{i}\n".encode()
+        assert len(tree.list_dir("")) == 301
+
+
+def test_blob_reader_submodule_entry(tmp_path: Path) -> None:
+    path = tmp_path / "r"
+    make_repo(path, {"a.txt": "a\n"})
+    sub = "1" * 40
+    git(path, "update-index", "--add", "--cacheinfo", f"160000,{sub},third_party/sub")
+    git(path, "commit", "--quiet", "-m", "add submodule")
+    with BlobReader(path, "HEAD") as tree:
+        assert tree.exists("third_party/sub")
+        assert tree.read("third_party/sub") is None
+        assert tree.list_dir("third_party") == ["sub"]
+
+
+def test_blob_reader_bad_commit_and_paths(repo: Path) -> None:
+    with pytest.raises(GitError, match="not found"):
+        BlobReader(repo, "no-such-commit")
+    with BlobReader(repo, "HEAD") as tree:
+        with pytest.raises(ValueError):
+            tree.read("../outside")
+        with pytest.raises(ValueError):
+            tree.read("a\nb")
+
+
+# -- progress --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("Receiving objects:  45% (4500/10000), 12.34 MiB | 5.67 MiB/s",
+         ("Receiving objects", 4500, 10000, "12.34 MiB | 5.67 MiB/s", False, False)),
+        ("Resolving deltas: 100% (3/3), done.", ("Resolving deltas", 3, 3, "", False, True)),
+        ("remote: Counting objects: 100% (5/5), done.",
+         ("Counting objects", 5, 5, "", True, True)),
+        ("remote: Enumerating objects: 1234, done.", ("Enumerating objects", 1234, None, "", True, True)),
+        ("Receiving objects: 100% (9/9), 1.2 KiB | 1.2 MiB/s, done.",
+         ("Receiving objects", 9, 9, "1.2 KiB | 1.2 MiB/s", False, True)),
+    ],
+)
+def test_parse_progress_line(line: str, expected: tuple) -> None:
+    info = parse_progress_line(line)
+    assert info is not None
+    assert (info.phase, info.current, info.total, info.detail, info.remote, info.done) == expected
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["", "From /tmp/up", " * branch            main       -> FETCH_HEAD",
+     "fatal: couldn't find remote ref refs/heads/x", "remote: Total 5 (delta 0), reused 0"],
+)
+def test_parse_progress_line_ignores_other_lines(line: str) -> None:
+    assert parse_progress_line(line) is None
+
+
+def test_run_git_with_progress(repo: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(dest)], check=True)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    proc = run_git_with_progress(
+        ["fetch", "--progress", f"file://{repo}", "+refs/heads/*:refs/heads/*"],
+        dest,
+        description="fetching repo",
+        console=console,
+    )
+    assert proc.returncode == 0
+    assert "Counting objects" not in proc.stderr  # progress lines went to the bars
+    assert "fetching repo: counting objects" in out.getvalue()
+    assert rev_parse(dest, "refs/heads/main") == git(repo, "rev-parse", "HEAD")
+    with pytest.raises(GitError, match="couldn't find remote ref"):
+        run_git_with_progress(
+            ["fetch", "--progress", f"file://{repo}", "refs/heads/nope"],
+            dest,
+            console=Console(file=io.StringIO()),
+        )
+
+
+def test_branch_helper_is_deterministic(tmp_path: Path) -> None:
+    # The helper itself: same calls, same shas (fixed identity and dates).
+    a = make_repo(tmp_path / "a", {"x": "1\n"})
+    b = make_repo(tmp_path / "b", {"x": "1\n"})
+    assert a == b
+    assert branch(tmp_path / "a", "dev") == a
