@@ -1,0 +1,233 @@
+"""Where does a hunk go? Exact position, then nearest offset, then fuzz, like GNU patch.
+
+Lines are compared as full lines *with* their terminator ('\\n', or nothing for a last line
+without newline), so a hunk that says "no newline at end of file" only matches a file that
+really ends that way, and the reverse of such a hunk is not mistaken for the forward one.
+The caller passes the file's lines and, when it compares ignoring CR, CR-free copies of both.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .model import Hunk
+
+_NEAREST_CANDIDATES = 6
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A found place: the (trimmed) old block starts at 0-based ``start``; ``trim_head`` and
+    ``trim_tail`` context lines were dropped (``fuzz`` is the larger); ``offset`` is how far
+    the untrimmed hunk moved from the expected index."""
+
+    start: int
+    fuzz: int
+    offset: int
+    trim_head: int
+    trim_tail: int
+
+
+def old_block(hunk: Hunk) -> list[str]:
+    """The hunk's old side as file lines, terminators included."""
+    texts = hunk.old_lines
+    block = [text + "\n" for text in texts]
+    if block and hunk.old_no_newline:
+        block[-1] = texts[-1]
+    return block
+
+
+def expected_index(hunk: Hunk) -> int:
+    """0-based index the header points at. ``-5,0`` means "after line 5", so an empty old
+    side is inserted at index 5, while ``-5,3`` starts at index 4."""
+    return hunk.source_start if hunk.source_length == 0 else max(hunk.source_start - 1, 0)
+
+
+def locate(
+    lines: Sequence[str],
+    hunk: Hunk,
+    expected: int,
+    max_fuzz: int,
+    search_from: int = 0,
+    *,
+    max_offset: Optional[int] = None,
+) -> Optional[Placement]:
+    """Find where ``hunk`` applies in ``lines``, not before ``search_from`` (hunks of one file
+    land in order and never overlap). Fuzz level f may drop up to f leading and f trailing
+    *context* lines, never changed lines; the lowest fuzz wins, then the smallest offset.
+    ``max_offset=0`` asks for the expected position only."""
+    block = old_block(hunk)
+    lead, trail = _context_sizes(hunk, len(block))
+    whole_file = _claims_empty_file(hunk)
+    for fuzz in range(max_fuzz + 1):
+        best: Optional[Placement] = None
+        for head, tail in _trims(fuzz, lead, trail):
+            if block and head + tail >= len(block):
+                continue
+            start = _search(
+                lines,
+                block[head : len(block) - tail],
+                expected + head,
+                search_from,
+                max_offset,
+                at_start=whole_file or (lead < trail and head == 0),
+                at_end=whole_file or (tail == 0 and (trail < lead or _ends_without_newline(hunk))),
+            )
+            if start is None:
+                continue
+            found = Placement(start, fuzz, start - head - expected, head, tail)
+            if best is None or _rank(found) < _rank(best):
+                best = found
+        if best is not None:
+            return best
+    return None
+
+
+def nearest(
+    lines: Sequence[str], hunk: Hunk, expected: Optional[int] = None
+) -> tuple[int, float]:
+    """The 1-based line where the file looks most like the hunk's old side, and how much
+    (difflib ratio, 0..1). Windows are first ranked by how many lines match ignoring
+    whitespace, then the best few are scored character by character."""
+    block = old_block(hunk)
+    size = len(block)
+    last_start = max(len(lines) - size, 0)
+    anchor = min(max(expected if expected is not None else 0, 0), last_start)
+    if not block or not lines:
+        return anchor + 1, 0.0
+    candidates = _vote_for_windows(lines, block, last_start)
+    ranked = sorted(candidates.items(), key=lambda item: (-item[1], abs(item[0] - anchor)))
+    starts = [start for start, _ in ranked[:_NEAREST_CANDIDATES]]
+    if anchor not in starts:
+        starts.append(anchor)
+    wanted = "".join(block)
+    scored = [
+        (_similarity(wanted, "".join(lines[start : start + size])), -abs(start - anchor), start)
+        for start in starts
+    ]
+    ratio, _, start = max(scored)
+    return start + 1, ratio
+
+
+def _context_sizes(hunk: Hunk, block_size: int) -> tuple[int, int]:
+    """Leading/trailing context; a hunk of context only has no "changed middle", so its
+    context counts as leading and trailing at once, capped by the block size."""
+    return min(hunk.leading_context, block_size), min(hunk.trailing_context, block_size)
+
+
+def _claims_empty_file(hunk: Hunk) -> bool:
+    """``@@ -0,0 ...`` says "the old file had no lines" (as git apply reads it, unless a
+    patch was made with -U0): such a hunk must not be inserted into a non-empty file."""
+    return hunk.source_start == 0 and hunk.source_length == 0
+
+
+def _ends_without_newline(hunk: Hunk) -> bool:
+    """A hunk whose last line has no newline can only sit at the very end of the file;
+    elsewhere it would glue its last line to the next one."""
+    return hunk.old_no_newline or hunk.new_no_newline
+
+
+def _trims(fuzz: int, lead: int, trail: int) -> list[tuple[int, int]]:
+    """(head, tail) context lines to drop at this fuzz level, least dropped first."""
+    pairs = [
+        (head, tail)
+        for head in range(min(fuzz, lead) + 1)
+        for tail in range(min(fuzz, trail) + 1)
+        if max(head, tail) == fuzz
+    ]
+    return sorted(pairs, key=lambda pair: (pair[0] + pair[1], pair))
+
+
+def _rank(placement: Placement) -> tuple[int, int, bool]:
+    """Smaller offset first, then less context dropped; on equal distance the later
+    position wins, as in GNU patch."""
+    return (
+        abs(placement.offset),
+        placement.trim_head + placement.trim_tail,
+        placement.offset < 0,
+    )
+
+
+def _search(
+    lines: Sequence[str],
+    pattern: list[str],
+    expected: int,
+    search_from: int,
+    max_offset: Optional[int],
+    *,
+    at_start: bool,
+    at_end: bool,
+) -> Optional[int]:
+    """Nearest index >= ``search_from`` where ``pattern`` occurs. A hunk with less leading
+    than trailing context was cut by the start of the file, so it may only match there
+    (``at_start``); likewise for the end (``at_end``)."""
+    size = len(lines)
+    if not pattern:
+        return _insertion_point(
+            lines, expected, search_from, max_offset, at_start=at_start, at_end=at_end
+        )
+    last = size - len(pattern)
+    if at_start:
+        candidates = [0]
+    elif at_end:
+        candidates = [last]
+    else:
+        first = pattern[0]
+        candidates = [i for i in range(max(search_from, 0), last + 1) if lines[i] == first]
+        candidates.sort(key=lambda i: (abs(i - expected), i < expected))
+    for start in candidates:
+        if start < search_from or start > last:
+            continue
+        if max_offset is not None and abs(start - expected) > max_offset:
+            if at_start or at_end:
+                continue
+            break
+        if list(lines[start : start + len(pattern)]) == pattern:
+            return start
+    return None
+
+
+def _insertion_point(
+    lines: Sequence[str],
+    expected: int,
+    search_from: int,
+    max_offset: Optional[int],
+    *,
+    at_start: bool,
+    at_end: bool,
+) -> Optional[int]:
+    """Where a hunk without old lines goes: the expected index (or the end of the file for
+    ``at_end``), kept inside the file and after earlier hunks; never after a last line that
+    has no newline (the inserted text would be glued to it)."""
+    if at_start and at_end and lines:
+        return None
+    point = len(lines) if at_end else min(max(expected, search_from), len(lines))
+    if point < search_from:
+        return None
+    if max_offset is not None and abs(point - expected) > max_offset:
+        return None
+    if point == len(lines) and lines and not lines[-1].endswith("\n"):
+        return None
+    return point
+
+
+def _vote_for_windows(lines: Sequence[str], block: list[str], last_start: int) -> Counter:
+    """Each file line equal (ignoring whitespace) to hunk line j votes for the window that
+    would start j lines earlier; blank lines are too common to be evidence."""
+    positions: dict[str, list[int]] = {}
+    for j, line in enumerate(block):
+        key = line.strip()
+        if key:
+            positions.setdefault(key, []).append(j)
+    votes: Counter = Counter()
+    for i, line in enumerate(lines):
+        for j in positions.get(line.strip(), ()):
+            votes[min(max(i - j, 0), last_start)] += 1
+    return votes
+
+
+def _similarity(wanted: str, found: str) -> float:
+    return difflib.SequenceMatcher(None, wanted, found, autojunk=False).ratio()
