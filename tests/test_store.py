@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from support.gitrepos import bare_clone, branch, commit, git, make_repo, tag
+from support.gitrepos import bare_clone, branch, commit, git, make_repo, switch, tag
 
 from megaport.errors import MegaportError
 from megaport.git import is_dirty, is_shallow, rev_parse
@@ -43,9 +43,9 @@ def upstream(tmp_path: Path) -> Upstream:
     second = commit(path, {"pkg/mod.py": "x = 2\n", "pkg/new.py": "y\n"}, "second")
     tag(path, "v2.0", message="release 2.0")
     branch(path, "dev", first)
-    git(path, "checkout", "--quiet", "dev")
+    switch(path, "dev")
     dev = commit(path, {"dev.txt": "dev\n"}, "on dev")
-    git(path, "checkout", "--quiet", "main")
+    switch(path, "main")
     return Upstream(path, first, second, dev)
 
 
