@@ -1,0 +1,763 @@
+"""Tests for the code megaport injects into upstream trees (megatron/core/rocm_port.py).
+
+The module is loaded from its source file under a unique name, the way upstream will
+import it, and checked against references written here independently: plain fp64
+math for the softmax kernels, torch.nn.LayerNorm for layer norm, and hand-computed
+tables for get_batch_per_block.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import itertools
+import math
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import megaport.replacements as replacements  # noqa: E402
+
+SOURCE = Path(replacements.__file__).with_name("rocm_port.py")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SCALES = [1.0, 0.125]
+# Largest error allowed, relative to the largest magnitude of the reference: the
+# kernels' own tests use 1e-3 for fp16; bf16 has 8 significant bits, so one rounding
+# of the output is already 2e-3 of an element.
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3, torch.float64: 1e-12}
+
+
+def _load(text: str | None, tmp_dir: Path | None = None):
+    """Import the module (or a rendered text of it) under a fresh name."""
+    name = f"_rocm_port_under_test_{uuid.uuid4().hex}"
+    path = SOURCE
+    if text is not None:
+        path = tmp_dir / f"{name}.py"
+        path.write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rp():
+    module = _load(None)
+    yield module
+    module.uninstall_import_blocker()
+
+
+@pytest.fixture(scope="module")
+def rp_old(rp, tmp_path_factory):
+    """The module rendered for eras before fully masked rows became zeros."""
+    text = replacements.render(fully_masked_rows_are_zero=False)
+    module = _load(text, tmp_path_factory.mktemp("rendered"))
+    yield module
+    module.uninstall_import_blocker()
+
+
+# ----------------------------------------------------------------------------------
+# fp64 references (independent of the module)
+# ----------------------------------------------------------------------------------
+
+
+def ref_softmax(x, scale, mask=None, causal=False, zero_dead_rows=True):
+    """The kernels' forward in fp64 from the (already rounded) input values."""
+    z = x.double() * scale
+    if causal:
+        sq, sk = z.shape[-2], z.shape[-1]
+        future = torch.arange(sk)[None, :] > torch.arange(sq)[:, None]
+        z = z.masked_fill(future, -math.inf)
+    elif mask is not None:
+        z = torch.where(mask, torch.tensor(-10000.0, dtype=torch.float64), z)
+    if z.numel() == 0:
+        return z
+    m = z.max(-1, keepdim=True).values
+    e = torch.exp(z - m)
+    y = e / e.sum(-1, keepdim=True)
+    if mask is not None and not causal and zero_dead_rows:
+        y = torch.where(m == -10000.0, torch.zeros_like(y), y)
+    return y
+
+
+def ref_backward(g, y, scale):
+    """dx = scale * (y*g - y*sum(y*g)) in fp64, from the saved (rounded) output."""
+    g = g.double()
+    y = y.double()
+    return scale * (y * g - y * (y * g).sum(-1, keepdim=True))
+
+
+def assert_close(actual, ref, dtype, what=""):
+    assert actual.dtype == dtype, what
+    assert actual.shape == ref.shape, what
+    if ref.numel() == 0:
+        return
+    err = (actual.double() - ref).abs().max().item()
+    size = ref.abs().max().item()
+    assert err <= TOL[dtype] * max(size, 1e-30), f"{what}: max error {err:.3g} vs scale {size:.3g}"
+
+
+def run_forward_backward(fn, x, *args):
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x, *args)
+    g = torch.randn(y.shape, dtype=torch.float64).to(y.dtype)
+    y.backward(g)
+    return y.detach(), g, x.grad
+
+
+def random_mask(shape, p=0.3, generator=None):
+    return torch.rand(shape, generator=generator) < p
+
+
+# ----------------------------------------------------------------------------------
+# Softmax: forward and backward against the references
+# ----------------------------------------------------------------------------------
+
+MASKED_CASES = [
+    # (input shape, mask shape)
+    ((2, 3, 5, 7), (2, 1, 5, 7)),  # per-batch mask, sizes not divisible by 4
+    ((2, 3, 5, 7), (1, 1, 5, 7)),  # mask broadcast over the batch
+    ((2, 2, 4, 8), (2, 1, 4, 8)),
+    ((1, 1, 2, 4100), (1, 1, 2, 4100)),  # sk beyond the kernel's 4096
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("shape,mask_shape", MASKED_CASES, ids=str)
+def test_masked_softmax_matches_reference(rp, dtype, scale, shape, mask_shape):
+    torch.manual_seed(1)
+    x = (torch.randn(shape, dtype=torch.float64) * 4).to(dtype)
+    mask = random_mask(mask_shape)
+    y, g, dx = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, mask, scale)
+    assert_close(y, ref_softmax(x, scale, mask), dtype, "forward")
+    assert_close(dx, ref_backward(g, y, scale), dtype, "backward")
+
+
+CAUSAL_SHAPES = [(3, 5, 5), (3, 5, 7), (3, 7, 5), (2, 3, 6, 6), (1, 2, 4100), (4, 1, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("shape", CAUSAL_SHAPES, ids=str)
+def test_causal_softmax_matches_reference(rp, dtype, scale, shape):
+    torch.manual_seed(2)
+    x = (torch.randn(shape, dtype=torch.float64) * 4).to(dtype)
+    y, g, dx = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, scale)
+    assert_close(y, ref_softmax(x, scale, causal=True), dtype, "forward")
+    assert_close(dx, ref_backward(g, y, scale), dtype, "backward")
+
+
+PLAIN_SHAPES = [(2, 3, 5, 7), (1, 1, 2, 4100), (5, 7), (7,), (2, 2, 2, 3, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("shape", PLAIN_SHAPES, ids=str)
+def test_plain_softmax_matches_reference(rp, dtype, scale, shape):
+    torch.manual_seed(3)
+    x = (torch.randn(shape, dtype=torch.float64) * 4).to(dtype)
+    y, g, dx = run_forward_backward(rp.ScaledSoftmax.apply, x, scale)
+    assert_close(y, ref_softmax(x, scale), dtype, "forward")
+    assert_close(dx, ref_backward(g, y, scale), dtype, "backward")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masked_softmax_without_mask_is_plain_softmax(rp, dtype):
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 5, 7).to(dtype)
+    y, g, dx = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, None, 0.125)
+    assert_close(y, ref_softmax(x, 0.125), dtype, "forward")
+    assert_close(dx, ref_backward(g, y, 0.125), dtype, "backward")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_input_and_grad(rp, dtype):
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 7, 5).to(dtype).transpose(-1, -2)
+    mask = random_mask((2, 1, 5, 7))
+    y, _, _ = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, mask, 0.5)
+    assert_close(y, ref_softmax(x, 0.5, mask), dtype, "forward")
+    xr = x.detach().clone().requires_grad_(True)
+    y = rp.ScaledUpperTriangMaskedSoftmax.apply(xr, 0.5)
+    g = torch.randn(7, 5, 2, 3).to(dtype).permute(2, 3, 1, 0)
+    y.backward(g)
+    assert_close(xr.grad, ref_backward(g, y.detach(), 0.5), dtype, "backward")
+
+
+def test_backward_includes_the_scale(rp):
+    """A replacement that forgot the scale in backward would be 8x off here."""
+    torch.manual_seed(6)
+    x = torch.randn(2, 2, 4, 6)
+    for fn, args in [
+        (rp.ScaledSoftmax.apply, (0.125,)),
+        (rp.ScaledUpperTriangMaskedSoftmax.apply, (0.125,)),
+        (rp.ScaledMaskedSoftmax.apply, (random_mask((2, 1, 4, 6)), 0.125)),
+    ]:
+        y, g, dx = run_forward_backward(fn, x, *args)
+        ref = ref_backward(g, y, 0.125)
+        assert_close(dx, ref, torch.float32)
+        unscaled = (dx.double() * 8 - ref).abs().max().item()
+        assert unscaled > 100 * TOL[torch.float32] * ref.abs().max().item()
+
+
+def test_grad_of_sum_through_expanded_grad(rp):
+    """sum().backward() hands backward a stride-0 gradient."""
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    rp.ScaledUpperTriangMaskedSoftmax.apply(x, 0.5).sum().backward()
+    # Rows of a softmax sum to one, so the gradient of the sum is zero.
+    assert x.grad.abs().max().item() < 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dims=st.tuples(*(st.integers(1, 3),) * 2, st.integers(1, 9), st.integers(1, 9)),
+    per_batch=st.booleans(),
+    scale=st.sampled_from([1.0, 0.5, 0.125, 0.0884]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_masked_softmax_property(rp, dims, per_batch, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, np_, sq, sk = dims
+    x = torch.randn(dims, generator=gen, dtype=torch.float64).float() * 3
+    mask = random_mask((b if per_batch else 1, 1, sq, sk), p=0.4, generator=gen)
+    y, g, dx = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, mask, scale)
+    assert_close(y, ref_softmax(x, scale, mask), torch.float32, "forward")
+    assert_close(dx, ref_backward(g, y, scale), torch.float32, "backward")
+
+
+# ----------------------------------------------------------------------------------
+# Softmax: kernel-specific semantics
+# ----------------------------------------------------------------------------------
+
+
+def _mask_with_dead_row():
+    mask = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, 1, :] = True  # row 1 fully masked
+    mask[0, 0, 2, 1:4] = True  # row 2 partly masked
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_are_zero(rp, dtype):
+    assert rp.FULLY_MASKED_ROWS_ARE_ZERO is True
+    torch.manual_seed(7)
+    x = torch.randn(2, 2, 3, 5).to(dtype)
+    y, g, dx = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, _mask_with_dead_row(), 0.125)
+    assert torch.equal(y[:, :, 1], torch.zeros_like(y[:, :, 1]))
+    assert torch.equal(dx[:, :, 1], torch.zeros_like(dx[:, :, 1]))
+    # Rows with finite unmasked entries are ordinary softmaxes over those entries.
+    assert_close(y, ref_softmax(x, 0.125, _mask_with_dead_row()), dtype, "forward")
+    live = ref_softmax(x[:, :, 2][..., [0, 4]], 0.125)
+    assert_close(y[:, :, 2][..., [0, 4]], live, dtype, "partly masked row")
+    assert torch.equal(y[:, :, 2, 1:4], torch.zeros_like(y[:, :, 2, 1:4]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_are_uniform_in_old_eras(rp_old, dtype):
+    assert rp_old.FULLY_MASKED_ROWS_ARE_ZERO is False
+    torch.manual_seed(7)
+    x = torch.randn(2, 2, 3, 5).to(dtype)
+    mask = _mask_with_dead_row()
+    y, g, dx = run_forward_backward(rp_old.ScaledMaskedSoftmax.apply, x, mask, 0.125)
+    uniform = torch.full_like(y[:, :, 1], 0.2, dtype=torch.float64)
+    assert_close(y[:, :, 1], uniform, dtype, "dead row")
+    assert_close(y, ref_softmax(x, 0.125, mask, zero_dead_rows=False), dtype, "forward")
+    assert_close(dx, ref_backward(g, y, 0.125), dtype, "backward")
+
+
+def test_row_whose_maximum_is_the_mask_value_is_zeroed(rp, rp_old):
+    """The kernel tests the row maximum, not the mask: unmasked values below -10000 count."""
+    x = torch.tensor([[[[-20000.0, 1.0, -30000.0]]]])
+    mask = torch.tensor([[[[False, True, False]]]])
+    assert torch.equal(rp.ScaledMaskedSoftmax.apply(x, mask, 1.0), torch.zeros(1, 1, 1, 3))
+    y_old = rp_old.ScaledMaskedSoftmax.apply(x, mask, 1.0)
+    assert torch.equal(y_old, torch.tensor([[[[0.0, 1.0, 0.0]]]]))
+
+
+def test_masked_value_is_not_scaled(rp):
+    """Masked entries are -10000.0 itself, not -10000.0 * scale: visible near -10000."""
+    x = torch.tensor([[[[-79990.0, 0.0]]]], dtype=torch.float64)
+    mask = torch.tensor([[[[False, True]]]])
+    y = rp.ScaledMaskedSoftmax.apply(x, mask, 0.125)  # -9998.75 vs -10000.0
+    e = math.exp(-1.25)
+    assert torch.allclose(y, torch.tensor([[[[1 / (1 + e), e / (1 + e)]]]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 6, 6), (2, 5, 9), (2, 9, 5)], ids=str)
+def test_causal_future_positions_are_exactly_zero(rp, dtype, shape):
+    torch.manual_seed(8)
+    x = (torch.randn(shape) * 50).to(dtype)
+    y = rp.ScaledUpperTriangMaskedSoftmax.apply(x, 1.0)
+    sq, sk = shape[-2:]
+    future = torch.arange(sk)[None, :] > torch.arange(sq)[:, None]
+    assert (y[..., future] == 0.0).all()
+    assert y[..., 0, 0].eq(1.0).all()
+
+
+@pytest.mark.parametrize(
+    "fn,extra",
+    [
+        ("ScaledSoftmax", ()),
+        ("ScaledUpperTriangMaskedSoftmax", ()),
+        ("ScaledMaskedSoftmax", ("mask",)),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+def test_output_dtype_is_input_dtype(rp, fn, extra, dtype):
+    x = torch.randn(2, 2, 3, 4).to(dtype).requires_grad_(True)
+    args = [random_mask((2, 1, 3, 4))] if extra else []
+    y = getattr(rp, fn).apply(x, *args, 0.5)
+    assert y.dtype == dtype
+    y.backward(torch.ones_like(y))
+    assert x.grad.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "shape", [(0, 2, 3, 4), (2, 0, 3, 4), (2, 2, 0, 4), (2, 2, 3, 0)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_empty_dimensions(rp, shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    mask = torch.zeros((1, 1) + shape[2:], dtype=torch.bool)
+    for fn, args in [
+        (rp.ScaledSoftmax.apply, (0.5,)),
+        (rp.ScaledUpperTriangMaskedSoftmax.apply, (0.5,)),
+        (rp.ScaledMaskedSoftmax.apply, (mask, 0.5)),
+    ]:
+        y, g, dx = run_forward_backward(fn, x, *args)
+        assert y.shape == shape and y.dtype == dtype
+        assert dx.shape == shape and dx.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block", [1, 16, 40, 100])
+def test_cpu_blocking_does_not_change_results(rp, monkeypatch, dtype, block):
+    """Results are bitwise the same whatever the CPU block size (both blocking modes)."""
+    torch.manual_seed(9)
+    x = torch.randn(3, 4, 5, 7).to(dtype)
+    mask = random_mask((3, 1, 5, 7))
+    mask[1, 0, 2] = True  # a fully masked row
+    g = torch.randn(3, 4, 5, 7).to(dtype)
+
+    def everything():
+        results = []
+        for fn, args in [
+            (rp.ScaledSoftmax.apply, (0.3,)),
+            (rp.ScaledUpperTriangMaskedSoftmax.apply, (0.3,)),
+            (rp.ScaledMaskedSoftmax.apply, (mask, 0.3)),
+        ]:
+            xr = x.clone().requires_grad_(True)
+            y = fn(xr, *args)
+            y.backward(g)
+            results += [y.detach(), xr.grad]
+        return results
+
+    monkeypatch.setattr(rp, "_CPU_BLOCK_ELEMENTS", 10**9)
+    whole = everything()
+    monkeypatch.setattr(rp, "_CPU_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(rp, "_block_elements", lambda device, same: block)
+    for a, b in zip(whole, everything()):
+        assert torch.equal(a, b)
+
+
+def test_fallback_without_inplace_kernels(rp, monkeypatch):
+    """The allocating path (old torch, or an overlap check) gives the same results."""
+    torch.manual_seed(10)
+    x = torch.randn(2, 3, 5, 7).bfloat16()
+    mask = random_mask((2, 1, 5, 7))
+    fast = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, mask, 0.125)
+    monkeypatch.setattr(rp, "_inplace_kernels_ok", lambda device: False)
+    torch.manual_seed(10)
+    x2 = torch.randn(2, 3, 5, 7).bfloat16()
+    slow = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x2, mask, 0.125)
+    assert_close(slow[0], fast[0].double(), torch.bfloat16)
+    assert_close(slow[2], ref_backward(slow[1], slow[0], 0.125), torch.bfloat16)
+
+
+def test_inplace_kernels_are_used_on_this_torch(rp):
+    assert rp._inplace_kernels_ok(torch.device("cpu")) is True
+
+
+def test_rejects_integer_input(rp):
+    with pytest.raises(TypeError):
+        rp.ScaledSoftmax.apply(torch.ones(2, 3, dtype=torch.int64), 1.0)
+
+
+@pytest.mark.parametrize("which", ["plain", "causal", "masked"])
+def test_gradcheck_fp64(rp, which):
+    torch.manual_seed(11)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    if which == "plain":
+        fn = lambda t: rp.ScaledSoftmax.apply(t, 0.7)  # noqa: E731
+    elif which == "causal":
+        fn = lambda t: rp.ScaledUpperTriangMaskedSoftmax.apply(t, 0.7)  # noqa: E731
+    else:
+        mask = random_mask((2, 1, 4, 5))
+        mask[..., 0] = False  # every row keeps an entry
+        fn = lambda t: rp.ScaledMaskedSoftmax.apply(t, mask, 0.7)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("which", ["plain", "causal", "masked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_only_the_output_is_saved_for_backward(rp, which, dtype):
+    x = torch.randn(2, 3, 4, 4).to(dtype).requires_grad_(True)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if which == "plain":
+            y = rp.ScaledSoftmax.apply(x, 0.5)
+        elif which == "causal":
+            y = rp.ScaledUpperTriangMaskedSoftmax.apply(x, 0.5)
+        else:
+            y = rp.ScaledMaskedSoftmax.apply(x, random_mask((2, 1, 4, 4)), 0.5)
+    assert len(packed) == 1
+    assert packed[0].data_ptr() == y.data_ptr() and packed[0].dtype == dtype
+    assert len(y.grad_fn.saved_tensors) == 1
+    assert isinstance(y.grad_fn.scale, float)
+
+
+# ----------------------------------------------------------------------------------
+# get_batch_per_block
+# ----------------------------------------------------------------------------------
+
+# (sk, WARP, expected): pow2 = next power of two >= sk; warp = min(pow2, WARP);
+# batches_per_warp = 2 if pow2 <= 128 else 1; (128 // warp) * batches_per_warp.
+BATCH_PER_BLOCK = [
+    (1024, 32, 4),  # warp 32, bpw 1, 4 warps
+    (1024, 64, 2),  # warp 64, bpw 1, 2 warps
+    (4096, 32, 4),
+    (16384, 64, 2),
+    (129, 64, 2),  # pow2 256
+    (128, 64, 4),  # warp 64, bpw 2, 2 warps
+    (128, 32, 8),  # warp 32, bpw 2, 4 warps
+    (100, 32, 8),  # pow2 128
+    (16, 32, 16),  # warp 16, bpw 2, 8 warps
+    (16, 64, 16),
+    (3, 32, 64),  # pow2 4: warp 4, 32 warps, bpw 2
+    (1, 32, 256),  # pow2 1: warp 1, 128 warps, bpw 2
+    (0, 64, 256),
+]
+
+
+@pytest.mark.parametrize("sk,warp,expected", BATCH_PER_BLOCK)
+def test_get_batch_per_block(rp, sk, warp, expected):
+    assert rp.get_batch_per_block(7, sk, 3, 5, warp=warp) == expected
+
+
+def test_warp_size_defaults(rp, monkeypatch):
+    assert not torch.cuda.is_available()
+    assert rp.warp_size() == 32
+    assert rp.get_batch_per_block(1024, 1024, 1, 1) == 4
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert rp.warp_size() == 64
+    assert rp.get_batch_per_block(1024, 1024, 1, 1) == 2
+
+
+# ----------------------------------------------------------------------------------
+# Import blocker
+# ----------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def fake_packages(tmp_path, monkeypatch):
+    """Importable apex / amp_C / *_cuda stand-ins, as if apex were installed."""
+    (tmp_path / "apex" / "normalization").mkdir(parents=True)
+    (tmp_path / "apex" / "__init__.py").write_text("FAKE = True\n")
+    (tmp_path / "apex" / "normalization" / "__init__.py").write_text("FAKE = True\n")
+    (tmp_path / "amp_C.py").write_text("FAKE = True\n")
+    (tmp_path / "scaled_masked_softmax_cuda.py").write_text("FAKE = True\n")
+    (tmp_path / "not_blocked_cuda_helper.py").write_text("FAKE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ["apex", "apex.normalization", "amp_C", "scaled_masked_softmax_cuda",
+                 "not_blocked_cuda_helper"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importlib.invalidate_caches()
+    yield tmp_path
+    for name in ["apex", "apex.normalization", "amp_C", "scaled_masked_softmax_cuda",
+                 "not_blocked_cuda_helper"]:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    "name", ["apex", "apex.normalization", "amp_C", "scaled_masked_softmax_cuda",
+             "fused_weight_gradient_mlp_cuda", "fused_layer_norm_cuda"]
+)
+def test_blocked_imports(rp, fake_packages, name):
+    with pytest.raises(ModuleNotFoundError) as info:
+        importlib.import_module(name)
+    assert "disabled by the ROCm port" in str(info.value)
+    assert "megatron/core/rocm_port.py" in str(info.value)
+    # A submodule's import stops at its (blocked) parent package.
+    assert info.value.name == name.partition(".")[0]
+
+
+def test_blocker_refuses_submodules_itself(rp):
+    finder = next(f for f in sys.meta_path if getattr(f, rp._BLOCKER_MARK, False))
+    with pytest.raises(ModuleNotFoundError, match="apex.normalization.fused_layer_norm"):
+        finder.find_spec("apex.normalization.fused_layer_norm", None)
+    assert finder.find_spec("apexx", None) is None
+    assert finder.find_spec("megatron.core.fused_cuda_helpers", None) is None
+
+
+def test_import_statement_fallback_pattern(rp, fake_packages):
+    try:
+        import apex  # noqa: F401
+
+        took = "apex"
+    except ImportError:
+        took = "torch"
+    assert took == "torch"
+    try:
+        from apex.normalization import FusedLayerNorm  # noqa: F401
+    except ImportError:
+        took = "torch again"
+    assert took == "torch again"
+    import json  # noqa: F401
+    import torch as torch_again  # noqa: F401
+
+    importlib.import_module("not_blocked_cuda_helper")  # "_cuda" only counts at the end
+
+
+def test_blocker_is_what_stops_the_fake_apex(rp, fake_packages):
+    rp.uninstall_import_blocker()
+    try:
+        assert importlib.import_module("apex").FAKE is True
+    finally:
+        rp.install_import_blocker()
+        sys.modules.pop("apex", None)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("apex")
+
+
+def test_blocker_install_is_idempotent(rp):
+    def count():
+        return sum(1 for f in sys.meta_path if getattr(f, rp._BLOCKER_MARK, False))
+
+    assert count() == 1
+    assert getattr(sys.meta_path[0], rp._BLOCKER_MARK, False)
+    rp.install_import_blocker()
+    rp.install_import_blocker()
+    assert count() == 1
+
+
+def test_blocked_modules_loaded(rp, monkeypatch):
+    assert rp.blocked_modules_loaded() == []
+    monkeypatch.setitem(sys.modules, "fused_layer_norm_cuda", object())
+    monkeypatch.setitem(sys.modules, "apex.contrib", object())
+    assert rp.blocked_modules_loaded() == ["apex.contrib", "fused_layer_norm_cuda"]
+
+
+def test_module_imports_only_torch_and_the_standard_library():
+    tree = ast.parse(SOURCE.read_text(encoding="utf-8"))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0
+            roots.add(node.module.partition(".")[0])
+    assert "torch" in roots
+    assert roots - {"torch"} <= set(sys.stdlib_module_names), roots
+
+
+# ----------------------------------------------------------------------------------
+# apex replacements
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_fused_layer_norm_matches_torch(rp, memory_efficient):
+    assert "memory_efficient" in inspect.getfullargspec(rp.FusedLayerNormAffineFunction.forward).args
+    torch.manual_seed(12)
+    hidden = 10
+    ln = torch.nn.LayerNorm(hidden, eps=1e-5, dtype=torch.float64)
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    x = torch.randn(3, 4, hidden, dtype=torch.float64, requires_grad=True)
+    w = ln.weight.detach().clone().requires_grad_(True)
+    b = ln.bias.detach().clone().requires_grad_(True)
+    y = rp.FusedLayerNormAffineFunction.apply(x, w, b, hidden, 1e-5, memory_efficient)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = ln(x_ref)
+    assert torch.allclose(y, y_ref, atol=1e-12)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-12)
+    assert torch.allclose(w.grad, ln.weight.grad, atol=1e-12)
+    assert torch.allclose(b.grad, ln.bias.grad, atol=1e-12)
+
+
+def test_fused_layer_norm_mixed_dtypes(rp):
+    x = torch.randn(4, 8).bfloat16()
+    w = torch.ones(8)
+    b = torch.zeros(8)
+    y = rp.FusedLayerNormAffineFunction.apply(x, w, b, (8,), 1e-5)
+    assert y.dtype == torch.bfloat16
+    ref = torch.nn.functional.layer_norm(x.double(), (8,), eps=1e-5)
+    assert (y.double() - ref).abs().max().item() < 2e-2
+
+
+def test_fused_rms_norm(rp):
+    assert "memory_efficient" in inspect.getfullargspec(rp.FusedRMSNormAffineFunction.forward).args
+    torch.manual_seed(13)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    y = rp.FusedRMSNormAffineFunction.apply(x, w, 6, 1e-6)
+    ref = x.detach() / torch.sqrt((x.detach() ** 2).mean(-1, keepdim=True) + 1e-6) * w.detach()
+    assert torch.allclose(y, ref, atol=1e-12)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    yb = rp.FusedRMSNormAffineFunction.apply(x.detach().bfloat16(), w.detach().float(), (6,), 1e-6)
+    assert yb.dtype == torch.bfloat16
+
+
+def _ints(shape, gen):
+    return torch.randint(-4, 5, shape, generator=gen).to(torch.float64)
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_wgrad_gemm_accum_fp32(rp, input_dtype):
+    gen = torch.Generator().manual_seed(14)
+    x = _ints((6, 7), gen)
+    g = _ints((6, 5), gen)
+    main = _ints((5, 7), gen)
+    expected = (main + g.T @ x).float()  # small integers: every step is exact
+    main_grad = main.float()
+    ptr = main_grad.data_ptr()
+    out = rp.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(
+        x.to(input_dtype), g.to(input_dtype), main_grad
+    )
+    assert out is None
+    assert main_grad.data_ptr() == ptr and main_grad.dtype == torch.float32
+    assert torch.equal(main_grad, expected)
+
+
+def test_wgrad_gemm_accum_flattens_leading_dims(rp):
+    gen = torch.Generator().manual_seed(15)
+    x = _ints((2, 3, 7), gen)
+    g = _ints((2, 3, 5), gen)
+    main_grad = torch.zeros(5, 7)
+    rp.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x.bfloat16(), g.bfloat16(), main_grad)
+    assert torch.equal(main_grad, (g.reshape(6, 5).T @ x.reshape(6, 7)).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_wgrad_gemm_accum_fp16(rp, dtype):
+    gen = torch.Generator().manual_seed(16)
+    x = _ints((6, 7), gen)
+    g = _ints((6, 5), gen)
+    main = _ints((5, 7), gen)
+    main_grad = main.to(dtype)
+    rp.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(x.to(dtype), g.to(dtype), main_grad)
+    assert main_grad.dtype == dtype
+    assert torch.equal(main_grad, (main + g.T @ x).to(dtype))
+
+
+# ----------------------------------------------------------------------------------
+# Distributed backend
+# ----------------------------------------------------------------------------------
+
+
+def test_resolve_distributed_backend(rp, capsys):
+    assert rp.DISTRIBUTED_BACKENDS == ["nccl", "gloo", "rccl"]
+    assert rp.resolve_distributed_backend("rccl", rank=1) == "nccl"
+    assert rp.resolve_distributed_backend("nccl", rank=1) == "nccl"
+    assert rp.resolve_distributed_backend("gloo") == "gloo"
+    assert capsys.readouterr().out == ""
+    for bad in ["mpi", "", "rccl2"]:
+        with pytest.raises(ValueError, match="unknown distributed backend"):
+            rp.resolve_distributed_backend(bad)
+
+
+def test_default_distributed_backend(rp, monkeypatch):
+    assert torch.version.hip is None
+    assert rp.default_distributed_backend() == "nccl"
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert rp.default_distributed_backend() == "rccl"
+
+
+def test_collective_library_on_cpu_torch(rp):
+    name, version = rp.collective_library()
+    assert name == "NCCL"
+    assert version is None or isinstance(version, str)
+
+
+@pytest.mark.parametrize(
+    "raw,text", [((2, 18, 3), "2.18.3"), (21805, "2.18.5"), (2708, "2.7.8")]
+)
+def test_collective_library_versions(rp, monkeypatch, raw, text):
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: raw)
+    assert rp.collective_library() == ("NCCL", text)
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert rp.collective_library() == ("RCCL", text)
+
+
+def test_rank0_logs_the_collective_library(rp, monkeypatch, capsys):
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 18, 3))
+    assert rp.resolve_distributed_backend("rccl", rank=0) == "nccl"
+    assert capsys.readouterr().out == (
+        "> ROCm port: distributed backend 'rccl' -> torch 'nccl' (RCCL 2.18.3)\n"
+    )
+    rp.resolve_distributed_backend("rccl", rank=1)
+    rp.resolve_distributed_backend("gloo", rank=0)
+    assert capsys.readouterr().out == ""
+
+
+def test_rank0_log_without_a_version(rp, capsys):
+    rp.resolve_distributed_backend("nccl", rank=0)
+    out = capsys.readouterr().out
+    assert out.startswith("> ROCm port: distributed backend 'nccl' -> torch 'nccl' (NCCL")
+    assert out.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------------
+# The replacements package: source text, rendering, public names
+# ----------------------------------------------------------------------------------
+
+
+def test_source_and_render():
+    text = replacements.source_text()
+    assert text == SOURCE.read_text(encoding="utf-8")
+    assert replacements.TREE_PATH == "megatron/core/rocm_port.py"
+    assert text.splitlines().count("FULLY_MASKED_ROWS_ARE_ZERO = True") == 1
+    assert replacements.render(fully_masked_rows_are_zero=True) == text
+    old = replacements.render(fully_masked_rows_are_zero=False)
+    diff = [(a, b) for a, b in zip(text.splitlines(), old.splitlines()) if a != b]
+    assert diff == [("FULLY_MASKED_ROWS_ARE_ZERO = True", "FULLY_MASKED_ROWS_ARE_ZERO = False")]
+    assert len(old) == len(text) + 1
+
+
+@pytest.mark.parametrize(
+    "text", ["x = 1\n", "FULLY_MASKED_ROWS_ARE_ZERO = True\nFULLY_MASKED_ROWS_ARE_ZERO = True\n",
+             "FULLY_MASKED_ROWS_ARE_ZERO = True  # comment\n"]
+)
+def test_render_needs_the_line_exactly_once(monkeypatch, text):
+    monkeypatch.setattr(replacements, "source_text", lambda: text)
+    with pytest.raises(ValueError, match="exactly once"):
+        replacements.render(fully_masked_rows_are_zero=False)
+
+
+def test_public_names(rp):
+    for name in rp.__all__:
+        assert hasattr(rp, name), name
+    assert "megaport" in rp.__doc__ and "Do not edit" in rp.__doc__
+    assert list(itertools.islice(rp.__all__, 0, None)) == list(dict.fromkeys(rp.__all__))
