@@ -1,0 +1,202 @@
+"""The series catalogue: which patch series exist, what they are tested on, how a tree is recognised.
+
+The catalogue is data (``patches/catalogue.toml`` plus one folder per series), so users can point
+megaport at their own with ``--patches DIR`` or ``MEGAPORT_PATCHES`` without touching the code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaport.errors import MegaportError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+CATALOGUE_FILE = "catalogue.toml"
+LIST_FILE = "series"
+PATCHES_ENV = "MEGAPORT_PATCHES"
+
+
+@dataclass(frozen=True)
+class TestedRef:
+    """An upstream ref a series is known to apply to with no fuzz."""
+
+    ref: str
+    sha: str
+    date: str | None = None
+
+
+@dataclass(frozen=True)
+class Recognise:
+    """Facts of a tree that mark it as belonging to a series' era."""
+
+    core_min: tuple[int, ...] | None = None
+    core_max: tuple[int, ...] | None = None
+    present: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PatchFile:
+    """One patch of a series: its file on disk and the hash recorded in ported trees."""
+
+    name: str
+    path: Path
+
+    def text(self) -> str:
+        return self.path.read_bytes().decode("utf-8", "surrogateescape")
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Series:
+    """A versioned patch series for one upstream era."""
+
+    name: str
+    era: str
+    summary: str
+    directory: Path
+    fully_masked_rows: str
+    replacement: str | None
+    optional: tuple[str, ...]
+    tested: tuple[TestedRef, ...]
+    recognise: Recognise
+    patches: tuple[PatchFile, ...] = field(default=())
+
+    @property
+    def tested_range(self) -> str:
+        """First and last tested ref, the way people talk about a range."""
+        if not self.tested:
+            return "untested"
+        first, last = self.tested[0].ref, self.tested[-1].ref
+        return first if first == last else f"{first} … {last}"
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """All series of one patches directory, in catalogue order."""
+
+    root: Path
+    series: tuple[Series, ...]
+
+    def get(self, name: str) -> Series:
+        for series in self.series:
+            if series.name == name:
+                return series
+        known = ", ".join(s.name for s in self.series)
+        raise MegaportError(f"unknown series '{name}'; known series: {known} (see 'megaport series')")
+
+
+def builtin_patches_dir() -> Path:
+    """Where the series shipped with megaport live: inside the wheel, or at the repo root in a checkout."""
+    packaged = Path(__file__).resolve().parent / "patches"
+    if (packaged / CATALOGUE_FILE).is_file():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "patches"
+
+
+def patches_dir(option: str | os.PathLike | None = None) -> Path:
+    """The catalogue to use: ``--patches``, else ``$MEGAPORT_PATCHES``, else the built-in one."""
+    chosen = option or os.environ.get(PATCHES_ENV)
+    return Path(chosen).expanduser().resolve() if chosen else builtin_patches_dir()
+
+
+def load_catalogue(root: str | os.PathLike | None = None) -> Catalogue:
+    """Read and check a catalogue, failing with one line on anything a user could get wrong."""
+    directory = patches_dir(root)
+    path = directory / CATALOGUE_FILE
+    if not path.is_file():
+        raise MegaportError(
+            f"no {CATALOGUE_FILE} in {directory}; point --patches (or {PATCHES_ENV}) at a series catalogue",
+            exit_code=2,
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise MegaportError(f"{path}: not valid TOML: {exc}", exit_code=2) from None
+    entries = data.get("series")
+    if not isinstance(entries, list) or not entries:
+        raise MegaportError(f"{path}: no [[series]] entries", exit_code=2)
+    series = tuple(_series_from_entry(directory, path, entry) for entry in entries)
+    names = [s.name for s in series]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise MegaportError(f"{path}: series listed twice: {', '.join(duplicates)}", exit_code=2)
+    return Catalogue(root=directory, series=series)
+
+
+def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
+    try:
+        name = str(entry["name"])
+    except (KeyError, TypeError):
+        raise MegaportError(f"{path}: a [[series]] entry has no name", exit_code=2) from None
+    if "/" in name or name.startswith(".") or not name:
+        raise MegaportError(f"{path}: series name '{name}' must be a plain folder name", exit_code=2)
+    folder = directory / name
+    recognise = entry.get("recognise", {})
+    version = recognise.get("core_version", {})
+    return Series(
+        name=name,
+        era=str(entry.get("era", "")),
+        summary=str(entry.get("summary", "")),
+        directory=folder,
+        fully_masked_rows=str(entry.get("fully_masked_rows", "zero")),
+        replacement=entry.get("replacement"),
+        optional=tuple(entry.get("optional", ())),
+        tested=tuple(
+            TestedRef(ref=str(t["ref"]), sha=str(t.get("sha", "")), date=t.get("date"))
+            for t in entry.get("tested", ())
+        ),
+        recognise=Recognise(
+            core_min=parse_version(version["min"]) if "min" in version else None,
+            core_max=parse_version(version["max"]) if "max" in version else None,
+            present=tuple(recognise.get("present", ())),
+            absent=tuple(recognise.get("absent", ())),
+        ),
+        patches=_patch_files(folder, name),
+    )
+
+
+def _patch_files(folder: Path, name: str) -> tuple[PatchFile, ...]:
+    """The ordered patches named by the series list file; every name must exist inside the folder."""
+    listing = folder / LIST_FILE
+    if not listing.is_file():
+        raise MegaportError(f"series '{name}': missing list file {listing}", exit_code=2)
+    patches = []
+    for line in listing.read_text(encoding="utf-8").splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if "/" in entry or entry.startswith("."):
+            raise MegaportError(f"series '{name}': list entry '{entry}' must be a file in {folder}", exit_code=2)
+        patch = folder / entry
+        if not patch.is_file():
+            raise MegaportError(f"series '{name}': {LIST_FILE} names {entry}, which does not exist", exit_code=2)
+        patches.append(PatchFile(name=entry, path=patch))
+    if not patches:
+        raise MegaportError(f"series '{name}': {listing} lists no patches", exit_code=2)
+    return tuple(patches)
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.16.1' → (0, 16, 1); pre-release suffixes ('0.14.0rc3') compare as the release."""
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        digits = ""
+        for char in piece:
+            if not char.isdigit():
+                break
+            digits += char
+        parts.append(int(digits or 0))
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)

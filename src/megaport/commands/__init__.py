@@ -1,0 +1,1 @@
+"""One module per subcommand: plain functions taking parsed values and returning an exit code."""

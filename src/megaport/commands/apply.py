@@ -1,0 +1,172 @@
+"""``megaport apply``: clone upstream at a ref, choose the series, and write the ported tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megaport.catalogue import load_catalogue
+from megaport.errors import MegaportError
+from megaport.git import BlobReader, is_dirty, rev_parse
+from megaport.plan import SeriesPlan
+from megaport.porttree import (
+    PatchRecord,
+    PortState,
+    branch_name,
+    check_symlink_escape,
+    commit_plan,
+    file_modes,
+    move_into_place,
+    read_state,
+    remove_tree,
+    temporary_sibling,
+    write_state,
+)
+from megaport.report import apply_report, render_plan, write_json
+from megaport.selection import Choice, choose_series, failure_location, forced_choice
+from megaport.store import ResolvedRef, Store
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    ref: str
+    repo: str
+    dest: Path
+    series: str | None = None
+    patches: str | None = None
+    json_file: str | None = None
+    dry_run: bool = False
+    max_fuzz: int = 0
+
+
+def apply(options: ApplyOptions, console) -> int:
+    """Port one upstream commit; exit code 0 when DEST holds the ported tree (or a dry run fits)."""
+    catalogue = load_catalogue(options.patches)
+    resolved = Store().resolve(options.repo, options.ref)
+    with BlobReader(resolved.repo, resolved.sha) as tree:
+        if options.series:
+            choice = forced_choice(catalogue, options.series, tree, max_fuzz=options.max_fuzz)
+        else:
+            try:
+                choice = choose_series(catalogue, tree, max_fuzz=options.max_fuzz)
+            except MegaportError as exc:
+                _report(options, resolved, None, "", "failed", error=str(exc))
+                raise
+    console.print(f"upstream {resolved.url} @ {options.ref} = {resolved.sha[:12]}")
+    console.print(f"series [bold]{choice.series.name}[/] ({choice.series.era}): {choice.reason}")
+    render_plan(console, choice.plan, title="dry run" if options.dry_run else "patches")
+    if not choice.plan.ok:
+        message = _failure_message(choice, resolved)
+        _report(options, resolved, choice.plan, choice.reason, "failed", error=message)
+        raise MegaportError(message)
+    if options.dry_run:
+        _report(options, resolved, choice.plan, choice.reason, "planned")
+        console.print("dry run: nothing was written")
+        return 0
+    status = _write_tree(options, resolved, choice, console)
+    _report(options, resolved, choice.plan, choice.reason, status)
+    return 0
+
+
+def _failure_message(choice: Choice, resolved: ResolvedRef) -> str:
+    failed = choice.plan.failed
+    where = failure_location(failed.result)
+    return (
+        f"series {choice.series.name} does not apply to {resolved.sha[:12]}: {failed.name}: {where}; "
+        "nothing was written (try another --series, or refresh the series for this ref)"
+    )
+
+
+def _report(options, resolved, plan, reason, status, error=None) -> None:
+    write_json(
+        options.json_file,
+        apply_report(
+            url=resolved.url, ref=options.ref, sha=resolved.sha, plan=plan, reason=reason,
+            status=status, dest=options.dest, error=error,
+        ),
+    )
+
+
+def _write_tree(options: ApplyOptions, resolved: ResolvedRef, choice: Choice, console) -> str:
+    """Create DEST from the plan, or confirm an existing identical port; never touch another tree."""
+    dest = options.dest.expanduser().absolute()
+    if _existing_port_matches(dest, resolved, choice):
+        console.print(f"{dest} already holds {choice.series.name} on {resolved.sha[:12]}: nothing to do")
+        return "unchanged"
+    plan = choice.plan
+    changed = sorted({path for p in plan.patches if p.result for path in p.result.changes})
+    check_symlink_escape(resolved.repo, resolved.sha, changed)
+    modes = file_modes(resolved.repo, resolved.sha, changed)
+    branch = branch_name(choice.series.name)
+    tmp = temporary_sibling(dest)
+    try:
+        Store().init_from_cache(resolved, tmp)
+        commits = commit_plan(tmp, plan, resolved.sha, branch, modes)
+        Store().check_out(tmp, branch)
+        write_state(tmp, _state(resolved, choice, branch, commits, changed, rev_parse(tmp, "HEAD")))
+        move_into_place(tmp, dest)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    console.print(
+        f"[green]ported[/] {resolved.sha[:12]} with {choice.series.name} into {dest} (branch {branch})"
+    )
+    return "applied"
+
+
+def _existing_port_matches(dest: Path, resolved: ResolvedRef, choice: Choice) -> bool:
+    """True for a re-run on the same port; raise for any DEST that must not be touched."""
+    if not dest.exists():
+        return False
+    if dest.is_dir() and not any(dest.iterdir()):
+        return False
+    state = read_state(dest)
+    if state is None:
+        raise MegaportError(f"{dest} exists and is not a megaport tree; choose an empty or new --dest", exit_code=2)
+    if is_dirty(dest):
+        raise MegaportError(
+            f"{dest} has uncommitted changes; commit or stash them, or choose another --dest (nothing was changed)",
+            exit_code=2,
+        )
+    hashes = [p.sha256() for p in choice.series.patches]
+    same = (
+        state.upstream_sha == resolved.sha
+        and state.series == choice.series.name
+        and [p.sha256 for p in state.patches] == hashes
+    )
+    if not same:
+        raise MegaportError(
+            f"{dest} already holds {state.series} on {state.upstream_sha[:12]}; "
+            "choose another --dest to port a different ref or series",
+            exit_code=2,
+        )
+    return True
+
+
+def _state(resolved, choice: Choice, branch: str, commits: list[str], files: list[str], head) -> PortState:
+    plan: SeriesPlan = choice.plan
+    by_name = {p.name: p for p in plan.patches}
+    commit_iter = iter(commits)
+    records = []
+    for patch_file in choice.series.patches:
+        patch_plan = by_name.get(patch_file.name)
+        status = patch_plan.status if patch_plan else "not-run"
+        changed = bool(patch_plan and patch_plan.result and patch_plan.result.changes)
+        records.append(
+            PatchRecord(
+                name=patch_file.name,
+                sha256=patch_file.sha256(),
+                status=status,
+                commit=next(commit_iter, None) if changed else None,
+            )
+        )
+    return PortState(
+        upstream_url=resolved.url,
+        upstream_ref=resolved.ref,
+        upstream_sha=resolved.sha,
+        series=choice.series.name,
+        branch=branch,
+        head=head or "",
+        patches=records,
+        files=files,
+    )

@@ -1,0 +1,35 @@
+"""``megaport series``: the catalogue, as a table or JSON."""
+
+from __future__ import annotations
+
+from megaport.catalogue import load_catalogue
+from megaport.report import write_json
+
+
+def list_series(console, *, patches: str | None = None, json_file: str | None = None) -> int:
+    from rich.table import Table
+
+    catalogue = load_catalogue(patches)
+    table = Table(title=f"series in {catalogue.root}", title_justify="left", show_edge=False)
+    for column in ("series", "era", "tested against", "patches", "summary"):
+        table.add_column(column)
+    for series in catalogue.series:
+        table.add_row(series.name, series.era, series.tested_range, str(len(series.patches)), series.summary)
+    console.print(table)
+    write_json(
+        json_file,
+        {
+            "catalogue": str(catalogue.root),
+            "series": [
+                {
+                    "name": s.name,
+                    "era": s.era,
+                    "summary": s.summary,
+                    "tested": [{"ref": t.ref, "sha": t.sha} for t in s.tested],
+                    "patches": [p.name for p in s.patches],
+                }
+                for s in catalogue.series
+            ],
+        },
+    )
+    return 0

@@ -1,0 +1,202 @@
+"""The ported tree on disk: writing a successful plan as commits, and the state ``status`` reads.
+
+A plan is written in one ``git fast-import`` run (one commit per patch on ``megaport/<series>``)
+followed by one checkout, into a temporary directory beside DEST that is renamed into place at
+the end: a failure at any step leaves no DEST behind. The tree records the upstream commit, the
+series and each patch's hash in ``.git/megaport/state.json`` (and ``refs/megaport/upstream``), so
+``status`` needs no network and no catalogue.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megaport import __version__
+from megaport.errors import MegaportError
+from megaport.git import is_dirty, rev_parse, run_git
+from megaport.plan import SeriesPlan
+
+STATE_FILE = Path("megaport") / "state.json"
+COMMITTER = "megaport <megaport@localhost>"
+SYMLINK_MODE = "120000"
+
+
+@dataclass
+class PatchRecord:
+    name: str
+    sha256: str
+    status: str
+    commit: str | None = None
+
+
+@dataclass
+class PortState:
+    """What a ported tree remembers about how it was made."""
+
+    upstream_url: str
+    upstream_ref: str
+    upstream_sha: str
+    series: str
+    branch: str
+    head: str
+    patches: list[PatchRecord]
+    files: list[str]
+    megaport_version: str = __version__
+    format: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> PortState:
+        data = json.loads(text)
+        data["patches"] = [PatchRecord(**p) for p in data.get("patches", [])]
+        return cls(**data)
+
+
+def branch_name(series: str) -> str:
+    return f"megaport/{series}"
+
+
+def git_dir(tree: Path) -> Path | None:
+    """The .git directory of a work tree root, or None when ``tree`` is not one."""
+    candidate = tree / ".git"
+    return candidate if candidate.is_dir() else None
+
+
+def read_state(tree: Path) -> PortState | None:
+    """The recorded state of a ported tree; None for any tree megaport did not make."""
+    gitdir = git_dir(tree)
+    if gitdir is None or not (gitdir / STATE_FILE).is_file():
+        return None
+    try:
+        return PortState.from_json((gitdir / STATE_FILE).read_text(encoding="utf-8"))
+    except (ValueError, TypeError) as exc:
+        raise MegaportError(f"{gitdir / STATE_FILE} is damaged ({exc}); re-run apply into a new --dest") from None
+
+
+def check_symlink_escape(repo: Path, sha: str, paths: list[str]) -> None:
+    """Refuse a series that would write through a symbolic link in the upstream tree.
+
+    git itself never writes beyond a link, but a user must hear it as a refusal before anything is
+    written, not as a half-made tree.
+    """
+    prefixes = sorted({str(Path(*Path(p).parts[: i + 1])) for p in paths for i in range(len(Path(p).parts))})
+    if not prefixes:
+        return
+    listing = run_git(["ls-tree", "-z", sha, "--", *prefixes], repo).stdout
+    for entry in listing.split("\0"):
+        if not entry:
+            continue
+        meta, path = entry.split("\t", 1)
+        if meta.split()[0] == SYMLINK_MODE:
+            raise MegaportError(
+                f"refusing series: it writes through '{path}', a symbolic link in the upstream tree"
+            )
+
+
+def file_modes(repo: Path, sha: str, paths: list[str]) -> dict[str, str]:
+    """Modes of existing files, so a patched script keeps its executable bit."""
+    if not paths:
+        return {}
+    listing = run_git(["ls-tree", "-z", sha, "--", *paths], repo).stdout
+    modes = {}
+    for entry in listing.split("\0"):
+        if entry:
+            meta, path = entry.split("\t", 1)
+            modes[path] = meta.split()[0]
+    return modes
+
+
+def fast_import_stream(plan: SeriesPlan, parent: str, branch: str, modes: dict[str, str]) -> bytes:
+    """The fast-import input that makes one commit per changed patch, in series order."""
+    out = bytearray()
+    first = True
+    by_name = {p.name: p for p in plan.parsed}
+    for patch_plan in plan.patches:
+        if patch_plan.result is None or not patch_plan.result.changes:
+            continue
+        patch = by_name[patch_plan.name]
+        when = _timestamp(patch.date)
+        author = patch.author or COMMITTER
+        message = (patch.subject + ("\n\n" + patch.message.strip() if patch.message.strip() else "") + "\n").encode()
+        out += f"commit refs/heads/{branch}\n".encode()
+        out += f"author {author} {when} +0000\ncommitter {COMMITTER} {when} +0000\n".encode()
+        out += b"data %d\n" % len(message) + message
+        if first:
+            out += f"from {parent}\n".encode()
+            first = False
+        for path, content in sorted(patch_plan.result.changes.items()):
+            if content is None:
+                out += b"D " + _quote(path) + b"\n"
+            else:
+                mode = modes.get(path, "100644")
+                out += b"M " + mode.encode() + b" inline " + _quote(path) + b"\n"
+                out += b"data %d\n" % len(content) + content + b"\n"
+        out += b"\n"
+    return bytes(out)
+
+
+def _timestamp(date: str | None) -> int:
+    """Author date of a patch as a Unix time; fixed dates make the ported commits reproducible."""
+    if date:
+        try:
+            return int(email.utils.parsedate_to_datetime(date).timestamp())
+        except (TypeError, ValueError):
+            pass
+    return 0
+
+
+def _quote(path: str) -> bytes:
+    """fast-import path quoting (C style) for the rare path with spaces, quotes or newlines."""
+    raw = path.encode("utf-8", "surrogateescape")
+    if not any(c in raw for c in b' "\n\\') and not raw.startswith(b'"'):
+        return raw
+    escaped = raw.replace(b"\\", b"\\\\").replace(b'"', b'\\"').replace(b"\n", b"\\n")
+    return b'"' + escaped + b'"'
+
+
+def commit_plan(repo: Path, plan: SeriesPlan, parent: str, branch: str, modes: dict[str, str]) -> list[str]:
+    """Write the plan's commits with one fast-import run; return the commit of each changed patch."""
+    stream = fast_import_stream(plan, parent, branch, modes)
+    if stream:
+        run_git(["fast-import", "--quiet", "--done"], repo, input=stream + b"done\n", text=False)
+    else:
+        run_git(["update-ref", f"refs/heads/{branch}", parent], repo)
+    log = run_git(["rev-list", "--reverse", f"{parent}..refs/heads/{branch}"], repo).stdout.split()
+    return log
+
+
+def temporary_sibling(dest: Path) -> Path:
+    """A fresh directory name next to DEST, so the final rename never crosses file systems."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.megaport-", dir=dest.parent))
+
+
+def write_state(tree: Path, state: PortState) -> None:
+    path = tree / ".git" / STATE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(state.to_json(), encoding="utf-8")
+
+
+def move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the finished tree to DEST; DEST may be an empty directory the user made."""
+    if dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()
+    os.rename(tmp, dest)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def tree_summary(tree: Path) -> tuple[str | None, bool]:
+    """HEAD commit and whether the work tree has changes."""
+    return rev_parse(tree, "HEAD"), is_dirty(tree)

@@ -1,0 +1,136 @@
+"""Choosing the series for an upstream commit.
+
+Core release tags live on release branches, so ancestry cannot place a commit between them. The
+tree itself says where it belongs: the version in ``megatron/core/package_info.py`` and which
+files exist. When that names exactly one series it is checked by a dry run; when it names none or
+several, every candidate is dry-run and the one that fits best wins. The reason is always printed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megaport.catalogue import Catalogue, Series
+from megaport.errors import MegaportError
+from megaport.plan import SeriesPlan, TreeReader, plan_series
+
+PACKAGE_INFO = "megatron/core/package_info.py"
+
+
+@dataclass(frozen=True)
+class TreeFacts:
+    """What recognition looks at in an upstream tree."""
+
+    core_version: tuple[int, ...] | None
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.core_version)) if self.core_version else "unknown"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen series, its dry-run plan, and why it was chosen."""
+
+    series: Series
+    plan: SeriesPlan
+    reason: str
+
+
+def read_facts(tree: TreeReader) -> TreeFacts:
+    return TreeFacts(core_version=core_version(tree.read(PACKAGE_INFO)))
+
+
+def core_version(package_info: bytes | None) -> tuple[int, ...] | None:
+    """MAJOR/MINOR/PATCH from upstream's package_info.py, without importing it."""
+    if package_info is None:
+        return None
+    text = package_info.decode("utf-8", "replace")
+    numbers = []
+    for name in ("MAJOR", "MINOR", "PATCH"):
+        match = re.search(rf"^{name}\s*=\s*(\d+)", text, re.MULTILINE)
+        if not match:
+            return None
+        numbers.append(int(match.group(1)))
+    return tuple(numbers)
+
+
+def recognised(series: Series, facts: TreeFacts, tree: TreeReader) -> bool:
+    """True when the tree's version and files match the series' recognise rules."""
+    rules = series.recognise
+    version = facts.core_version
+    if rules.core_min is not None and (version is None or version < rules.core_min):
+        return False
+    if rules.core_max is not None and (version is None or version >= rules.core_max):
+        return False
+    if any(not tree.exists(path) for path in rules.present):
+        return False
+    return not any(tree.exists(path) for path in rules.absent)
+
+
+def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:
+    """Pick the series for a tree, or fail with the nearest series and where it conflicts."""
+    facts = read_facts(tree)
+    candidates = [s for s in catalogue.series if recognised(s, facts, tree)]
+    described = f"megatron/core {facts.version_text}"
+    if len(candidates) == 1:
+        plan = plan_series(candidates[0], tree, max_fuzz=max_fuzz)
+        if plan.ok:
+            return Choice(candidates[0], plan, f"{described} is in its range ({candidates[0].tested_range})")
+        plans = [plan] + [plan_series(s, tree, max_fuzz=max_fuzz) for s in catalogue.series if s is not candidates[0]]
+        why = f"{described} matches {candidates[0].name} but it does not apply"
+    else:
+        pool = candidates or list(catalogue.series)
+        plans = [plan_series(s, tree, max_fuzz=max_fuzz) for s in pool]
+        why = (
+            f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
+        )
+    fitting = [p for p in plans if p.ok]
+    if fitting:
+        best = min(fitting, key=_fit_cost)
+        return Choice(best.series, best, f"{why}; a dry run fits {best.series.name} best")
+    nearest = min(plans, key=lambda p: (p.conflicts, -_applied_patches(p)))
+    raise MegaportError(no_fit_message(nearest, why))
+
+
+def _fit_cost(plan: SeriesPlan) -> tuple[int, int]:
+    counts = plan.hunk_counts
+    return (counts.get("fuzz", 0), counts.get("offset", 0))
+
+
+def _applied_patches(plan: SeriesPlan) -> int:
+    return sum(1 for p in plan.patches if p.status in ("applied", "already-applied"))
+
+
+def no_fit_message(plan: SeriesPlan, why: str) -> str:
+    """One line: nearest series, how many hunks conflict, and where."""
+    failed = plan.failed
+    where = failure_location(failed.result) if failed and failed.result else "?"
+    return (
+        f"no series fits this tree ({why}); nearest is {plan.series.name}: "
+        f"{plan.conflicts} hunk(s) conflict in {failed.name if failed else '?'}, first at {where}. "
+        f"Try --series NAME, or refresh a series for this ref"
+    )
+
+
+def failure_location(result) -> str:
+    """'file hunk #N (expected line L, nearest match line M, 83% similar)' for the first failed hunk."""
+    for file_result in result.files:
+        if file_result.error:
+            return f"{file_result.path}: {file_result.error}"
+        for hunk in file_result.hunks:
+            if hunk.outcome == "failed":
+                nearest = (
+                    f", nearest match at line {hunk.nearest_line} ({hunk.similarity:.0%} similar)"
+                    if hunk.nearest_line
+                    else ", no similar lines found"
+                )
+                return f"{hunk.file} hunk #{hunk.index} {hunk.header}{nearest}"
+    return "?"
+
+
+def forced_choice(catalogue: Catalogue, name: str, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:
+    """``--series NAME``: no recognition, but the same dry run."""
+    series = catalogue.get(name)
+    return Choice(series, plan_series(series, tree, max_fuzz=max_fuzz), "chosen with --series")

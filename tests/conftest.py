@@ -1,0 +1,61 @@
+"""Shared fixtures: an isolated megaport cache, the PyPI-built upstream repo, fake CUDA modules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Every release the integration tests use, asked for as ONE set so the shared cached repo is built
+# once and never rebuilt in the middle of a session.
+CORE_TEST_RELEASES = [
+    "0.13.0", "0.13.1", "0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3", "0.16.0", "0.16.1",
+]
+
+FAKE_MODULES = (
+    "apex", "amp_C", "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+    "scaled_softmax_cuda", "fused_weight_gradient_mlp_cuda", "fused_layer_norm_cuda",
+)
+
+
+@pytest.fixture(autouse=True)
+def isolated_megaport(tmp_path_factory, monkeypatch):
+    """Keep tests away from the user's cache and catalogue settings."""
+    home = tmp_path_factory.getbasetemp() / "megaport-home"
+    monkeypatch.setenv("MEGAPORT_HOME", str(home))
+    for name in ("MEGAPORT_PATCHES", "MEGAPORT_UPSTREAM"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def core_upstream() -> Path:
+    """Local git repo of upstream megatron/core, one tagged commit per PyPI release."""
+    from support.pypi_upstream import require_upstream
+
+    return require_upstream(CORE_TEST_RELEASES)
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_modules(tmp_path_factory) -> Path:
+    """Importable apex/amp_C/*_cuda stand-ins that crash if anything imports them."""
+    root = tmp_path_factory.mktemp("fake-cuda-modules")
+    for name in FAKE_MODULES:
+        package = root / name
+        package.mkdir()
+        (package / "__init__.py").write_text(
+            f"raise RuntimeError('{name} was imported: the ported tree must never load it')\n"
+        )
+    return root
+
+
+@pytest.fixture(scope="session")
+def full_clone() -> Path:
+    """A full upstream clone named by MEGAPORT_UPSTREAM_CLONE, else skip."""
+    location = os.environ.get("MEGAPORT_UPSTREAM_CLONE")
+    if not location:
+        pytest.skip("set MEGAPORT_UPSTREAM_CLONE to a full NVIDIA/Megatron-LM clone to run this")
+    path = Path(location).expanduser()
+    if not path.exists():
+        pytest.skip(f"MEGAPORT_UPSTREAM_CLONE={location} does not exist")
+    return path
