@@ -68,3 +68,44 @@ def test_patch_on_its_own_result_is_already_applied(old: bytes, new: bytes) -> N
     result = apply_patch(patch, _read(new))
     assert result.status == "already-applied"
     assert result.changes == {}
+
+
+@st.composite
+def lf_texts(draw) -> tuple[bytes, bytes]:
+    """An LF file with at least one line break, and an edited LF version of it."""
+    old_lines = draw(st.lists(line_text, min_size=1, max_size=25))
+    new_lines = draw(st.lists(line_text, max_size=25))
+    old = "\n".join(old_lines) + ("\n" if draw(st.booleans()) else "")
+    new = "\n".join(new_lines) + ("\n" if new_lines and draw(st.booleans()) else "")
+    if "\n" not in old:
+        old += "\n"
+    return old.encode(), new.encode()
+
+
+@PROPERTY_SETTINGS
+@given(texts=lf_texts())
+def test_lf_patch_on_crlf_checkout_gives_crlf_target(texts: tuple[bytes, bytes]) -> None:
+    old, new = texts
+    if old == new:
+        return
+    patch = parse_patch(make_file_diff(PATH, old, new), "p.patch")
+    crlf_old, crlf_new = old.replace(b"\n", b"\r\n"), new.replace(b"\n", b"\r\n")
+    result = apply_patch(patch, _read(crlf_old))
+    assert result.status == "applied"
+    assert result.changes == {PATH: crlf_new}
+
+
+optional_contents = st.one_of(st.none(), file_contents())
+
+
+@PROPERTY_SETTINGS
+@given(old=optional_contents, new=optional_contents)
+def test_create_and_delete_round_trip(old: bytes | None, new: bytes | None) -> None:
+    if old == new:
+        return
+    patch = parse_patch(make_file_diff(PATH, old, new), "p.patch")
+    before = {} if old is None else {PATH: old}
+    after = {} if new is None else {PATH: new}
+    assert apply_patch(patch, before.get).changes == {PATH: new}
+    assert apply_patch(patch, after.get).status == "already-applied"
+    assert apply_patch(reverse_patch(patch), after.get).changes == {PATH: old}

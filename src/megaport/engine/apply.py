@@ -31,7 +31,7 @@ from .model import (
     Patch,
     PatchResult,
 )
-from .place import Placement, expected_index, locate, nearest
+from .place import Placement, TokenIndex, expected_index, locate, nearest
 from .text import decode, encode, split_lines, uses_crlf, without_cr
 
 Reader = Callable[[str], Optional[bytes]]
@@ -182,6 +182,8 @@ def _apply_file(
     )
     result = FileResult(file.path, _old_path_for_report(file), file.action, hunks)
     if text is None:
+        if file.is_deleted:
+            result = replace(result, error="file content differs from what the patch deletes")
         return result, {}
     if file.is_deleted:
         if text:
@@ -279,6 +281,7 @@ def patch_text(
     lines = split_lines(text)
     file_uses_crlf = uses_crlf(lines)
     cr_blind_lines: Optional[list[str]] = None
+    token_indexes: dict[bool, TokenIndex] = {}  # keyed by "compared with CRs"
     output: list[str] = []
     results: list[HunkResult] = []
     cursor = 0
@@ -299,7 +302,11 @@ def patch_text(
             if not report:
                 results.append(HunkResult(path, index, hunk.header, "failed", 0, 0, None))
                 return None, tuple(results)
-            results.append(_failed_result(path, index, hunk, keys, used, expected))
+            literal = keys is lines
+            if literal not in token_indexes:
+                token_indexes[literal] = TokenIndex(keys)
+            token_index = token_indexes[literal]
+            results.append(_failed_result(path, index, hunk, keys, used, expected, token_index))
             continue
         rendered, end = _render(lines, used, placement, ending)
         output.extend(lines[cursor : placement.start])
@@ -374,9 +381,15 @@ def _placed_result(
 
 
 def _failed_result(
-    path: str, index: int, hunk: Hunk, keys: list[str], used: Hunk, expected: int
+    path: str,
+    index: int,
+    hunk: Hunk,
+    keys: list[str],
+    used: Hunk,
+    expected: int,
+    token_index: TokenIndex,
 ) -> HunkResult:
-    line, similarity = nearest(keys, used, expected)
+    line, similarity = nearest(keys, used, expected, index=token_index)
     return HunkResult(
         path, index, hunk.header, "failed", 0, 0, None, nearest_line=line, similarity=similarity
     )

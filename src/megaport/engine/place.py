@@ -9,6 +9,7 @@ The caller passes the file's lines and, when it compares ignoring CR, CR-free co
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -16,6 +17,9 @@ from typing import Optional, Sequence
 from .model import Hunk
 
 _NEAREST_CANDIDATES = 6
+_TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+")
+_COMMON_TOKEN_MIN = 20
+_COMMON_TOKEN_SHARE = 50
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,8 @@ def locate(
                 expected + head,
                 search_from,
                 max_offset,
-                at_start=whole_file or (lead < trail and head == 0),
-                at_end=whole_file or (tail == 0 and (trail < lead or _ends_without_newline(hunk))),
+                at_start=whole_file or (_starts_file(hunk) and head == 0),
+                at_end=whole_file or trail == 0 or (tail == 0 and _ends_without_newline(hunk)),
             )
             if start is None:
                 continue
@@ -87,19 +91,24 @@ def locate(
 
 
 def nearest(
-    lines: Sequence[str], hunk: Hunk, expected: Optional[int] = None
+    lines: Sequence[str],
+    hunk: Hunk,
+    expected: Optional[int] = None,
+    *,
+    index: Optional["TokenIndex"] = None,
 ) -> tuple[int, float]:
     """The 1-based line where the file looks most like the hunk's old side, and how much
-    (difflib ratio, 0..1). Windows are first ranked by how many lines match ignoring
-    whitespace, then the best few are scored character by character."""
+    (difflib ratio, 0..1). Windows are first ranked by shared identifiers (cheap, and robust
+    to renamed variables and re-indentation), then the best few are scored character by
+    character. Pass ``index`` when asking about several hunks of one file."""
     block = old_block(hunk)
     size = len(block)
     last_start = max(len(lines) - size, 0)
     anchor = min(max(expected if expected is not None else 0, 0), last_start)
     if not block or not lines:
         return anchor + 1, 0.0
-    candidates = _vote_for_windows(lines, block, last_start)
-    ranked = sorted(candidates.items(), key=lambda item: (-item[1], abs(item[0] - anchor)))
+    votes = (index or TokenIndex(lines)).votes(block, last_start)
+    ranked = sorted(votes.items(), key=lambda item: (-item[1], abs(item[0] - anchor)))
     starts = [start for start, _ in ranked[:_NEAREST_CANDIDATES]]
     if anchor not in starts:
         starts.append(anchor)
@@ -112,10 +121,46 @@ def nearest(
     return start + 1, ratio
 
 
+class TokenIndex:
+    """Identifiers of each file line, built once per file, to vote for candidate windows.
+    Identifiers found on many lines (``self``, ``return``) are ignored: they point nowhere."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        self._tokens = [frozenset(_TOKEN.findall(line)) for line in lines]
+        counts = Counter(token for tokens in self._tokens for token in tokens)
+        limit = max(_COMMON_TOKEN_MIN, len(self._tokens) // _COMMON_TOKEN_SHARE)
+        self._common = {token for token, count in counts.items() if count > limit}
+
+    def votes(self, block: Sequence[str], last_start: int) -> Counter:
+        """Window start -> score; a file line sharing all rare identifiers of hunk line j
+        gives about one vote to the window starting j lines earlier."""
+        weights: dict[str, list[tuple[int, float]]] = {}
+        for j, line in enumerate(block):
+            tokens = set(_TOKEN.findall(line))
+            for token in tokens - self._common:
+                weights.setdefault(token, []).append((j, 1.0 / len(tokens)))
+        wanted = set(weights)
+        votes: Counter = Counter()
+        for i, tokens in enumerate(self._tokens):
+            for token in tokens & wanted:
+                for j, weight in weights[token]:
+                    votes[min(max(i - j, 0), last_start)] += weight
+        return votes
+
+
 def _context_sizes(hunk: Hunk, block_size: int) -> tuple[int, int]:
     """Leading/trailing context; a hunk of context only has no "changed middle", so its
     context counts as leading and trailing at once, capped by the block size."""
     return min(hunk.leading_context, block_size), min(hunk.trailing_context, block_size)
+
+
+def _starts_file(hunk: Hunk) -> bool:
+    """git apply's rule (what ``git am`` does with our series): a hunk whose old side starts
+    at line 1 is anchored to the start of the file. Unlike GNU patch, uneven leading and
+    trailing context is not taken as a file boundary, because series may trim context
+    asymmetrically where upstream releases differ. Likewise only a hunk with no trailing
+    context at all is anchored to the end."""
+    return hunk.source_start <= 1
 
 
 def _claims_empty_file(hunk: Hunk) -> bool:
@@ -161,16 +206,17 @@ def _search(
     at_start: bool,
     at_end: bool,
 ) -> Optional[int]:
-    """Nearest index >= ``search_from`` where ``pattern`` occurs. A hunk with less leading
-    than trailing context was cut by the start of the file, so it may only match there
-    (``at_start``); likewise for the end (``at_end``)."""
+    """Nearest index >= ``search_from`` where ``pattern`` occurs; ``at_start``/``at_end``
+    pin it to the start/end of the file (both: the pattern must be the whole file)."""
     size = len(lines)
     if not pattern:
         return _insertion_point(
             lines, expected, search_from, max_offset, at_start=at_start, at_end=at_end
         )
     last = size - len(pattern)
-    if at_start:
+    if at_start and at_end:
+        candidates = [0] if last == 0 else []
+    elif at_start:
         candidates = [0]
     elif at_end:
         candidates = [last]
@@ -212,21 +258,6 @@ def _insertion_point(
     if point == len(lines) and lines and not lines[-1].endswith("\n"):
         return None
     return point
-
-
-def _vote_for_windows(lines: Sequence[str], block: list[str], last_start: int) -> Counter:
-    """Each file line equal (ignoring whitespace) to hunk line j votes for the window that
-    would start j lines earlier; blank lines are too common to be evidence."""
-    positions: dict[str, list[int]] = {}
-    for j, line in enumerate(block):
-        key = line.strip()
-        if key:
-            positions.setdefault(key, []).append(j)
-    votes: Counter = Counter()
-    for i, line in enumerate(lines):
-        for j in positions.get(line.strip(), ()):
-            votes[min(max(i - j, 0), last_start)] += 1
-    return votes
 
 
 def _similarity(wanted: str, found: str) -> float:
