@@ -192,6 +192,13 @@ def test_signature_after_last_hunk_is_not_part_of_the_diff() -> None:
     assert len(rename.hunks) == 1
 
 
+def test_format_patch_base_commit_trailer_is_accepted() -> None:
+    text = FORMAT_PATCH.replace(
+        "-- \n2.39.5", "\nbase-commit: b28296d32107e123e5b22c796e5d422d96a94712\n-- \n2.39.5"
+    )
+    assert parse_patch(text, "p").files == parse_patch(FORMAT_PATCH, "p").files
+
+
 def test_hunkless_files_empty_create_mode_change_pure_rename() -> None:
     patch = parse_patch(HUNKLESS_PATCH, "0003.patch")
 
@@ -339,6 +346,11 @@ def test_invalid_patches_raise_one_line_errors_naming_the_patch(text: str, expec
     assert "\n" not in message
     assert isinstance(caught.value, MegaportError)
     assert caught.value.exit_code == 1
+
+
+def test_two_concatenated_mails_are_refused() -> None:
+    with pytest.raises(PatchFormatError, match="a second patch starts at line"):
+        parse_patch(FORMAT_PATCH + HUNKLESS_PATCH, "series.mbox")
 
 
 def test_error_for_truncated_patch_names_the_file_and_its_line() -> None:

@@ -36,6 +36,8 @@ _MODE_LINES = {
     "deleted file mode ": "old_mode",
     "old mode ": "old_mode",
 }
+# What `git format-patch --base` writes after the last hunk, before the signature.
+_GIT_TRAILERS = ("base-commit: ", "prerequisite-patch-id: ")
 _UNIDIFF_MESSAGES = {
     "Hunk is shorter than expected": "hunk has fewer lines than its header says (truncated?)",
     "Hunk is longer than expected": "hunk has more lines than its header says",
@@ -57,6 +59,7 @@ def parse_patch(text: str, name: str = "") -> Patch:
     diff_start = _find_diff_start(lines)
     if diff_start is None:
         raise PatchFormatError(f"{label}: not a unified diff: no file header found")
+    _refuse_second_mail(lines, diff_start, label)
     mail = _read_mail(lines[:diff_start])
     if any(line.startswith(_GIT_HEADER) for line in lines[diff_start:]):
         files = _parse_git_diff(lines, diff_start, label)
@@ -92,6 +95,17 @@ def _find_diff_start(lines: list[str]) -> Optional[int]:
     return None
 
 
+def _refuse_second_mail(lines: list[str], diff_start: int, label: str) -> None:
+    """``git format-patch --stdout`` concatenates mails; their diffs would silently merge
+    into one patch, so insist on one patch per file."""
+    for index in range(diff_start, len(lines)):
+        if _MBOX_FROM.match(lines[index]):
+            raise PatchFormatError(
+                f"{label}: a second patch starts at line {index + 1}; "
+                "give each patch its own file (git format-patch without --stdout)"
+            )
+
+
 def _read_mail(preamble: list[str]) -> _Mail:
     """Subject/author/date/message from a format-patch mail; for other patches the free text
     before the diff (if any) becomes the message and its first line the subject."""
@@ -120,7 +134,7 @@ def _read_mail(preamble: list[str]) -> _Mail:
 def _mail_header_end(preamble: list[str], start: int) -> Optional[int]:
     """Index of the blank line ending an RFC 822 header block at ``start``, if there is one
     naming a Subject or From (otherwise the preamble is not a mail)."""
-    names = set()
+    names: set[str] = set()
     for index in range(start, len(preamble)):
         line = _no_cr(preamble[index])
         if line.strip() == "":
@@ -170,33 +184,16 @@ def _parse_git_file(
     lines: list[str], begin: int, end: int, label: str, *, is_last: bool
 ) -> FilePatch:
     """One ``diff --git`` section: extended headers, then ``---``/``+++`` and hunks."""
-    header: dict[str, str] = {}
-    body_start = end
-    for index in range(begin + 1, end):
-        line = strip_newline(_no_cr(lines[index]))
-        if line.startswith("--- ") or line.startswith("@@"):
-            body_start = index
-            break
-        _read_extended_header(line, header, label, index)
+    header, body_start = _read_git_header(lines, begin, end, label)
     git_old, git_new = _paths_from_git_line(strip_newline(_no_cr(lines[begin])))
     old_path = header.get("rename_from") or git_old
     new_path = header.get("rename_to") or git_new
     hunks: tuple[Hunk, ...] = ()
     if body_start < end:
-        if lines[body_start].startswith("@@"):
-            raise PatchFormatError(
-                f"{label}: hunk without '---'/'+++' file header (line {body_start + 1})"
-            )
         where = f"in the diff of '{new_path or old_path}' (line {begin + 1})"
-        parsed = _unidiff_files(lines, body_start, end, label, where)
-        if len(parsed) != 1:
-            raise PatchFormatError(
-                f"{label}: expected one file after line {begin + 1}, found {len(parsed)}"
-            )
-        raw, file_hunks, consumed = parsed[0]
-        old_path, new_path = _path_or_none(raw.source_file, "a/"), _path_or_none(raw.target_file, "b/")
-        hunks = file_hunks
-        _check_no_stray_lines(lines, body_start, end, consumed, label, is_last=is_last, strict=True)
+        old_path, new_path, hunks = _parse_git_body(
+            lines, body_start, end, label, where, is_last=is_last
+        )
     is_new = "new_file" in header or old_path is None
     is_deleted = "deleted_file" in header or new_path is None
     if is_new:
@@ -218,6 +215,36 @@ def _parse_git_file(
         old_mode=header.get("old_mode"),
         patch_line=begin + 1,
     )
+
+
+def _read_git_header(
+    lines: list[str], begin: int, end: int, label: str
+) -> tuple[dict[str, str], int]:
+    """The extended header lines after ``diff --git``, and where ``---`` starts (``end`` for
+    a file without hunks: pure rename, mode change, empty new file)."""
+    header: dict[str, str] = {}
+    for index in range(begin + 1, end):
+        line = strip_newline(_no_cr(lines[index]))
+        if line.startswith("@@"):
+            raise PatchFormatError(
+                f"{label}: hunk without '---'/'+++' file header (line {index + 1})"
+            )
+        if line.startswith("--- "):
+            return header, index
+        _read_extended_header(line, header, label, index)
+    return header, end
+
+
+def _parse_git_body(
+    lines: list[str], begin: int, end: int, label: str, where: str, *, is_last: bool
+) -> tuple[Optional[str], Optional[str], tuple[Hunk, ...]]:
+    """``---``/``+++`` names and the hunks of one git file section."""
+    parsed = _unidiff_files(lines, begin, end, label, where)
+    if len(parsed) != 1:
+        raise PatchFormatError(f"{label}: expected one file {where}, found {len(parsed)}")
+    raw, hunks, consumed = parsed[0]
+    _check_no_stray_lines(lines, begin, end, consumed, label, is_last=is_last, strict=True)
+    return _path_or_none(raw.source_file, "a/"), _path_or_none(raw.target_file, "b/"), hunks
 
 
 def _read_extended_header(line: str, header: dict[str, str], label: str, index: int) -> None:
@@ -425,6 +452,8 @@ def _check_no_stray_lines(
         if is_last and line in ("-- \n", "--\n", "-- "):
             return
         if line.strip() == "" or line.startswith(("@@", "\\", "--- ", "+++ ")):
+            continue
+        if is_last and line.startswith(_GIT_TRAILERS):
             continue
         if strict or line[0] in (CONTEXT, ADDED, REMOVED):
             raise PatchFormatError(

@@ -131,20 +131,21 @@ class TokenIndex:
         limit = max(_COMMON_TOKEN_MIN, len(self._tokens) // _COMMON_TOKEN_SHARE)
         self._common = {token for token, count in counts.items() if count > limit}
 
-    def votes(self, block: Sequence[str], last_start: int) -> Counter:
+    def votes(self, block: Sequence[str], last_start: int) -> dict[int, float]:
         """Window start -> score; a file line sharing all rare identifiers of hunk line j
         gives about one vote to the window starting j lines earlier."""
         weights: dict[str, list[tuple[int, float]]] = {}
         for j, line in enumerate(block):
-            tokens = set(_TOKEN.findall(line))
-            for token in tokens - self._common:
-                weights.setdefault(token, []).append((j, 1.0 / len(tokens)))
+            hunk_tokens = set(_TOKEN.findall(line))
+            for token in hunk_tokens - self._common:
+                weights.setdefault(token, []).append((j, 1.0 / len(hunk_tokens)))
         wanted = set(weights)
-        votes: Counter = Counter()
-        for i, tokens in enumerate(self._tokens):
-            for token in tokens & wanted:
+        votes: dict[int, float] = {}
+        for i, line_tokens in enumerate(self._tokens):
+            for token in line_tokens & wanted:
                 for j, weight in weights[token]:
-                    votes[min(max(i - j, 0), last_start)] += weight
+                    start = min(max(i - j, 0), last_start)
+                    votes[start] = votes.get(start, 0.0) + weight
         return votes
 
 
