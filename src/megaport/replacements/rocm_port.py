@@ -116,11 +116,13 @@ install_import_blocker()
 # ---------------------------------------------------------------------------------
 
 # fp16/bf16 inputs need an fp32 working copy.  On CPU the rows are processed in
-# blocks of about this many elements, so that the working copy stays in cache and no
-# full-size fp32 temporary is allocated.  On GPUs, and when the input is already in
-# the compute dtype (the work is then done in the output itself), the whole tensor is
-# one block.
-_CPU_BLOCK_ELEMENTS = 1 << 18
+# blocks of about this many elements (16 MiB of fp32), so that no full-size fp32
+# temporary is allocated: one reused workspace replaces several fresh allocations.
+# Blocks are kept large because every op is a parallel region, and many small regions
+# slow down badly when other processes compete for the cores.  On GPUs, and when the
+# input is already in the compute dtype (the work is then done in the output itself),
+# the whole tensor is one block.
+_CPU_BLOCK_ELEMENTS = 1 << 22
 
 _INPLACE_KERNELS_OK = {}
 
