@@ -784,3 +784,55 @@ def test_public_names(rp):
         assert hasattr(rp, name), name
     assert "megaport" in rp.__doc__ and "Do not edit" in rp.__doc__
     assert len(set(rp.__all__)) == len(rp.__all__)
+
+
+# --- apex stand-ins the older eras' series point at ---------------------------------------------
+
+
+def test_mix_prec_layer_norm_matches_torch_forward_and_backward(rp):
+    x = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    out, mean, invvar = rp.fused_mix_prec_layer_norm_cuda.forward_affine(x, (8,), w, b, 1e-5)
+    assert mean.shape == invvar.shape == (12,)  # apex keeps one value per row, flat
+    reference = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    assert torch.allclose(out, reference)
+    g = torch.randn_like(x)
+    grads = rp.fused_mix_prec_layer_norm_cuda.backward_affine(g, mean, invvar, x, (8,), w, b, 1e-5)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.layer_norm(xr, (8,), wr, br, 1e-5).backward(g)
+    for got, want in zip(grads, (xr.grad, wr.grad, br.grad)):
+        assert torch.allclose(got, want)
+
+
+def test_fused_layer_norm_affine_is_layer_norm(rp):
+    x, w, b = torch.randn(2, 5), torch.randn(5), torch.randn(5)
+    assert torch.allclose(rp.fused_layer_norm_affine(x, w, b, (5,), 1e-6),
+                          torch.nn.functional.layer_norm(x, (5,), w, b, 1e-6))
+
+
+def test_amp_c_l2norm_and_scale_match_plain_torch(rp):
+    tensors = [torch.randn(5), torch.randn(3, 3, dtype=torch.bfloat16)]
+    flag = torch.zeros(1, dtype=torch.int)
+    total, per_tensor = rp.multi_tensor_applier(rp.amp_C.multi_tensor_l2norm, flag, [tensors], True)
+    everything = torch.cat([t.float().flatten() for t in tensors])
+    assert torch.allclose(total, everything.norm().reshape(1))
+    assert torch.allclose(per_tensor, torch.stack([t.float().norm() for t in tensors]))
+    out = [torch.empty(5), torch.empty(3, 3, dtype=torch.bfloat16)]
+    rp.multi_tensor_applier(rp.amp_C.multi_tensor_scale, flag, [tensors, out], 0.25)
+    assert flag.item() == 0 and torch.equal(out[0], tensors[0] * 0.25)
+    rp.multi_tensor_applier(rp.amp_C.multi_tensor_scale, flag, [[torch.tensor([float("inf")])], [torch.empty(1)]], 1.0)
+    assert flag.item() == 1  # non-finite values raise the flag, as apex does
+
+
+def test_fused_adam_is_adamw_and_takes_apex_arguments(rp):
+    p1 = torch.nn.Parameter(torch.ones(3))
+    p2 = torch.nn.Parameter(torch.ones(3))
+    ours = rp.FusedAdam([p1], lr=0.1, weight_decay=0.01, bias_correction=True, set_grad_none=True)
+    reference = torch.optim.AdamW([p2], lr=0.1, weight_decay=0.01)
+    for opt, p in ((ours, p1), (reference, p2)):
+        p.grad = torch.full((3,), 0.5)
+        opt.step()
+    assert torch.equal(p1, p2)
+    with pytest.raises(ValueError, match="adam_w_mode"):
+        rp.FusedAdam([torch.nn.Parameter(torch.ones(1))], adam_w_mode=False)
+    assert isinstance(rp.FusedSGD([torch.nn.Parameter(torch.ones(1))], lr=0.1, wd_after_momentum=True), torch.optim.SGD)

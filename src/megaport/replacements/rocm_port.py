@@ -49,6 +49,12 @@ __all__ = [
     "FusedLayerNormAffineFunction",
     "FusedRMSNormAffineFunction",
     "fused_weight_gradient_mlp_cuda",
+    "fused_layer_norm_affine",
+    "fused_mix_prec_layer_norm_cuda",
+    "amp_C",
+    "multi_tensor_applier",
+    "FusedAdam",
+    "FusedSGD",
     "DISTRIBUTED_BACKENDS",
     "default_distributed_backend",
     "resolve_distributed_backend",
@@ -468,6 +474,114 @@ fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
     wgrad_gemm_accum_fp32=_wgrad_gemm_accum,
     wgrad_gemm_accum_fp16=_wgrad_gemm_accum,
 )
+
+
+def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6):
+    """Drop-in for apex's ``fused_layer_norm_affine`` (the legacy models call it)."""
+    return FusedLayerNormAffineFunction.apply(input, weight, bias, normalized_shape, eps)
+
+
+def _norm_stats_shape(input, normalized_shape):
+    """apex keeps mean/invvar flat, one value per normalised row."""
+    rows = input.numel() // max(1, _numel(normalized_shape))
+    return (rows,)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in _shape_tuple(shape):
+        n *= d
+    return n
+
+
+def _forward_affine(input, normalized_shape, weight, bias, eps):
+    """apex ``fused_mix_prec_layer_norm_cuda.forward_affine``: (output, mean, invvar)."""
+    shape = _shape_tuple(normalized_shape)
+    out, mean, rstd = torch.ops.aten.native_layer_norm(
+        input, shape, _like_input(weight, input), _like_input(bias, input), eps
+    )
+    flat = _norm_stats_shape(input, shape)
+    return out, mean.reshape(flat), rstd.reshape(flat)
+
+
+def _backward_affine(grad_output, mean, invvar, input, normalized_shape, weight, bias, eps):
+    """apex ``backward_affine``: (grad_input, grad_weight, grad_bias) in the parameters' dtypes."""
+    shape = _shape_tuple(normalized_shape)
+    stats = input.shape[: input.dim() - len(shape)] + (1,) * len(shape)
+    grad_input, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
+        grad_output, input, shape, mean.reshape(stats), invvar.reshape(stats),
+        _like_input(weight, input), _like_input(bias, input), [True, weight is not None, bias is not None],
+    )
+    if grad_weight is not None and weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None and bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+# Stands in for apex's extension, which old megatron/model/fused_layer_norm.py loads by name.
+fused_mix_prec_layer_norm_cuda = types.SimpleNamespace(
+    forward_affine=_forward_affine,
+    backward_affine=_backward_affine,
+)
+
+
+def _multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """apex ``amp_C.multi_tensor_l2norm``: (total norm [1], per-tensor norms) in fp32."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        empty = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
+        return empty, empty
+    norms = torch.stack([t.float().norm(2) for t in tensors])
+    total = norms.norm(2).reshape(1)
+    if not torch.isfinite(total).all():
+        noop_flag.fill_(1)
+    return total, (norms if per_tensor else torch.zeros(0, device=total.device))
+
+
+def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """apex ``amp_C.multi_tensor_scale``: dst = src * scale; flag non-finite values."""
+    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+        scaled = src.float() * scale
+        if not torch.isfinite(scaled).all():
+            noop_flag.fill_(1)
+        dst.copy_(scaled)
+
+
+# Stands in for apex's ``amp_C`` extension (the functions Megatron calls).
+amp_C = types.SimpleNamespace(
+    multi_tensor_l2norm=_multi_tensor_l2norm,
+    multi_tensor_scale=_multi_tensor_scale,
+)
+
+
+def multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
+    """apex's ``multi_tensor_applier``: call ``op`` once over all tensors (no chunking needed)."""
+    return op(2048 * 32, noop_flag_buffer, tensor_lists, *args)
+
+
+def _apex_optimizer(base):
+    """A torch optimizer that accepts apex's extra constructor arguments, as apex's fused one did."""
+
+    class ApexCompatible(base):
+        _APEX_ONLY = ("bias_correction", "adam_w_mode", "set_grad_none", "capturable", "master_weights",
+                      "materialize_master_grads", "wd_after_momentum")
+
+        def __init__(self, params, *args, **kwargs):
+            adam_w_mode = kwargs.get("adam_w_mode", True)
+            if base is torch.optim.AdamW and not adam_w_mode:
+                raise ValueError("adam_w_mode=False (L2 Adam) is not supported by the ROCm port; use AdamW")
+            for key in self._APEX_ONLY:
+                kwargs.pop(key, None)
+            super().__init__(params, *args, **kwargs)
+
+    ApexCompatible.__name__ = ApexCompatible.__qualname__ = f"Fused{base.__name__.replace('W', '')}"
+    return ApexCompatible
+
+
+# apex.optimizers.FusedAdam defaults to decoupled weight decay (adam_w_mode=True): torch's AdamW.
+FusedAdam = _apex_optimizer(torch.optim.AdamW)
+FusedSGD = _apex_optimizer(torch.optim.SGD)
 
 # ---------------------------------------------------------------------------------
 # Distributed backend
