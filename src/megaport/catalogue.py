@@ -41,6 +41,10 @@ class Recognise:
     core_max: tuple[int, ...] | None = None
     present: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
+    # (path, text) pairs: the file must / must not contain the text. For changes inside a file
+    # that mark an era, such as the kernel that started zeroing fully masked rows.
+    contains: tuple[tuple[str, str], ...] = ()
+    lacks: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,9 +165,18 @@ def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
             core_max=parse_version(version["max"]) if "max" in version else None,
             present=tuple(recognise.get("present", ())),
             absent=tuple(recognise.get("absent", ())),
+            contains=_text_rules(path, recognise.get("contains", ())),
+            lacks=_text_rules(path, recognise.get("lacks", ())),
         ),
         patches=_patch_files(folder, name),
     )
+
+
+def _text_rules(path: Path, entries) -> tuple[tuple[str, str], ...]:
+    try:
+        return tuple((str(e["path"]), str(e["text"])) for e in entries)
+    except (KeyError, TypeError):
+        raise MegaportError(f"{path}: contains/lacks entries need a path and a text", exit_code=2) from None
 
 
 def _patch_files(folder: Path, name: str) -> tuple[PatchFile, ...]:

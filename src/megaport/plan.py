@@ -140,14 +140,14 @@ def _overlay_reader(tree: TreeReader, overlay: dict[str, bytes | None]) -> Calla
 
 
 def _skip_reason(patch: Patch, series: Series, tree: TreeReader) -> str:
-    """A patch is skipped only when all its files sit in an optional folder the tree does not have.
+    """A patch is skipped only when all its files sit in optional folders (or files) the tree lacks.
 
     PyPI's megatron-core holds megatron/core alone; the training and legacy patches of a series
     have nothing to change there. Any other missing file is a real failure, never a skip.
     """
     folders = set()
     for file_patch in patch.files:
-        folder = next((o for o in series.optional if file_patch.path.startswith(o.rstrip("/") + "/")), None)
+        folder = next((o for o in series.optional if _under(file_patch.path, o.rstrip("/"))), None)
         if folder is None:
             return ""
         folders.add(folder)
@@ -157,8 +157,6 @@ def _skip_reason(patch: Patch, series: Series, tree: TreeReader) -> str:
     return f"tree has no {', '.join(missing)}"
 
 
-def final_contents(plan: SeriesPlan) -> list[tuple[PatchPlan, dict[str, bytes | None]]]:
-    """The changes to write, patch by patch, for a plan that succeeded."""
-    if not plan.ok:
-        raise ValueError("final_contents needs a plan in which every patch applied")
-    return [(p, dict(p.result.changes)) for p in plan.patches if p.result is not None and p.result.changes]
+def _under(path: str, optional: str) -> bool:
+    """An optional entry is a folder (everything inside it) or one file."""
+    return path == optional or path.startswith(optional + "/")

@@ -66,7 +66,16 @@ def recognised(series: Series, facts: TreeFacts, tree: TreeReader) -> bool:
         return False
     if any(not tree.exists(path) for path in rules.present):
         return False
-    return not any(tree.exists(path) for path in rules.absent)
+    if any(tree.exists(path) for path in rules.absent):
+        return False
+    if any(not _file_has(tree, path, text) for path, text in rules.contains):
+        return False
+    return not any(_file_has(tree, path, text) for path, text in rules.lacks)
+
+
+def _file_has(tree: TreeReader, path: str, text: str) -> bool:
+    content = tree.read(path)
+    return content is not None and text.encode("utf-8") in content
 
 
 def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:
