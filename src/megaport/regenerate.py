@@ -60,6 +60,33 @@ def replace_section(patch_text: bytes, path: str, section: bytes) -> bytes:
     return patch_text[:start] + section + patch_text[stop:]
 
 
+TRAILER = b"Upstream-Range: "
+
+
+def upstream_range(series: Series) -> str:
+    """'first..last' of the tested refs; a branch entry carries its date ('main@2026-08-22')."""
+    def label(tested) -> str:
+        return f"{tested.ref}@{tested.date}" if tested.date else tested.ref
+
+    if not series.tested:
+        return "untested"
+    return f"{label(series.tested[0])}..{label(series.tested[-1])}"
+
+
+def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
+    """Set the message's Upstream-Range trailer (the message ends where the diff begins)."""
+    starts = [i for i in (patch_text.find(b"\n---\n"), patch_text.find(b"\ndiff --git ")) if i >= 0]
+    if not starts:
+        raise MegaportError("patch has no diff")
+    end = min(starts) + 1
+    message = patch_text[:end].rstrip(b"\n").split(b"\n")
+    message = [line for line in message if not line.startswith(TRAILER)]
+    while message and message[-1] == b"":
+        message.pop()
+    trailer = TRAILER + range_text.encode()
+    return b"\n".join(message) + b"\n\n" + trailer + b"\n\n" + patch_text[end:]
+
+
 def rendered_replacement(series: Series) -> bytes:
     return render(fully_masked_rows_are_zero=series.fully_masked_rows == "zero").encode("utf-8")
 
@@ -79,12 +106,14 @@ def regenerate(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
     """Render the source into every series; write only when asked (``--check`` does not)."""
     results = []
     for series in catalogue.series:
-        if not series.replacement:
-            continue
-        patch = replacement_patch(series)
-        before = patch.read_bytes()
-        after = replace_section(before, series.replacement, new_file_section(series.replacement, rendered_replacement(series)))
-        if write and after != before:
-            patch.write_bytes(after)
-        results.append(Regeneration(series.name, patch, after != before))
+        owner = replacement_patch(series) if series.replacement else None
+        for patch_file in series.patches:
+            before = patch_file.path.read_bytes()
+            after = with_range_trailer(before, upstream_range(series))
+            if patch_file.path == owner:
+                section = new_file_section(series.replacement, rendered_replacement(series))
+                after = replace_section(after, series.replacement, section)
+            if write and after != before:
+                patch_file.path.write_bytes(after)
+            results.append(Regeneration(series.name, patch_file.path, after != before))
     return results
