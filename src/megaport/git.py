@@ -197,6 +197,31 @@ def run_git(
     return proc
 
 
+class BackgroundGit:
+    """A git command running while Python does other work (two cores beat one).
+
+    ``wait()`` returns like :func:`run_git` and raises :class:`GitError` on failure; ``cancel()``
+    stops it when the work it was started for is abandoned.
+    """
+
+    def __init__(self, args: Sequence[str | os.PathLike[str]], cwd: str | os.PathLike[str]) -> None:
+        self.args = [os.fspath(a) for a in args]
+        self.proc = subprocess.Popen(
+            git_command(self.args), cwd=cwd, env=git_env(), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+
+    def wait(self) -> None:
+        _, stderr = self.proc.communicate()
+        if self.proc.returncode != 0:
+            raise GitError.from_result(self.args, self.proc.returncode, stderr.decode("utf-8", "replace"))
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def rev_parse(repo: str | os.PathLike[str], rev: str) -> str | None:
     """The object id ``rev`` names in ``repo``, or None when it names nothing.
 

@@ -1,8 +1,10 @@
 """The ported tree on disk: writing a successful plan as commits, and the state ``status`` reads.
 
-A plan is written in one ``git fast-import`` run (one commit per patch on ``megaport/<series>``)
-followed by one checkout, into a temporary directory beside DEST that is renamed into place at
-the end: a failure at any step leaves no DEST behind. The tree records the upstream commit, the
+The upstream commit is checked out into a temporary directory beside DEST in the background
+while megaport plans the series (git writes files while Python computes). A successful plan is
+then committed in one ``git fast-import`` run (one commit per patch on ``megaport/<series>``), its
+few changed files are written over the checkout, and the directory is renamed into place: a
+failure at any step leaves no DEST behind. The tree records the upstream commit, the
 series and each patch's hash in ``.git/megaport/state.json`` (and ``refs/megaport/upstream``), so
 ``status`` needs no network and no catalogue.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from megaport import __version__
 from megaport.errors import MegaportError
-from megaport.git import is_dirty, rev_parse, run_git
+from megaport.git import BackgroundGit, is_dirty, rev_parse, run_git
 from megaport.plan import SeriesPlan
 
 STATE_FILE = Path("megaport") / "state.json"
@@ -172,6 +174,59 @@ def commit_plan(repo: Path, plan: SeriesPlan, parent: str, branch: str, modes: d
         run_git(["update-ref", f"refs/heads/{branch}", parent], repo)
     log = run_git(["rev-list", "--reverse", f"{parent}..refs/heads/{branch}"], repo).stdout.split()
     return log
+
+
+@dataclass
+class Staging:
+    """A temporary tree beside DEST with the upstream checkout under way."""
+
+    tmp: Path
+    checkout: BackgroundGit
+
+    def discard(self) -> None:
+        self.checkout.cancel()
+        remove_tree(self.tmp)
+
+
+def start_staging(store, resolved, dest: Path) -> Staging:
+    """Begin checking out upstream beside DEST; planning runs meanwhile."""
+    tmp = temporary_sibling(dest)
+    try:
+        store.init_from_cache(resolved, tmp)
+        return Staging(tmp, BackgroundGit(["checkout", "--quiet", "--detach", resolved.sha], tmp))
+    except BaseException:
+        remove_tree(tmp)
+        raise
+
+
+def final_changes(plan: SeriesPlan) -> dict[str, bytes | None]:
+    """Each changed path's content after the whole series (None: deleted)."""
+    final: dict[str, bytes | None] = {}
+    for patch_plan in plan.patches:
+        if patch_plan.result is not None:
+            final.update(patch_plan.result.changes)
+    return final
+
+
+def write_changes(tree: Path, plan: SeriesPlan, modes: dict[str, str], branch: str) -> None:
+    """Lay the series' files over the upstream checkout and point HEAD at the series branch."""
+    root = tree.resolve()
+    changes = final_changes(plan)
+    for path, content in sorted(changes.items()):
+        target = tree / path
+        if not str(target.parent.resolve()).startswith(str(root) + os.sep) and target.parent.resolve() != root:
+            raise MegaportError(f"refusing to write outside the tree: {path}")
+        if content is None:
+            target.unlink(missing_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+        target.chmod(0o755 if modes.get(path) == "100755" else 0o644)
+    listing = "".join(f"{path}\0" for path in sorted(changes))
+    run_git(["update-index", "--add", "--remove", "-z", "--stdin"], tree, input=listing)
+    run_git(["symbolic-ref", "HEAD", f"refs/heads/{branch}"], tree)
+    if run_git(["diff-index", "--quiet", "HEAD", "--"], tree, check=False).returncode != 0:
+        raise MegaportError("internal error: the written tree differs from the series commit; please report it")
 
 
 def temporary_sibling(dest: Path) -> Path:

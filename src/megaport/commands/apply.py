@@ -12,14 +12,15 @@ from megaport.plan import SeriesPlan
 from megaport.porttree import (
     PatchRecord,
     PortState,
+    Staging,
     branch_name,
     check_symlink_escape,
     commit_plan,
     file_modes,
     move_into_place,
     read_state,
-    remove_tree,
-    temporary_sibling,
+    start_staging,
+    write_changes,
     write_state,
 )
 from megaport.report import apply_report, render_plan, write_json
@@ -42,30 +43,46 @@ class ApplyOptions:
 def apply(options: ApplyOptions, console) -> int:
     """Port one upstream commit; exit code 0 when DEST holds the ported tree (or a dry run fits)."""
     catalogue = load_catalogue(options.patches)
-    resolved = Store().resolve(options.repo, options.ref)
-    with BlobReader(resolved.repo, resolved.sha) as tree:
-        if options.series:
-            choice = forced_choice(catalogue, options.series, tree, max_fuzz=options.max_fuzz)
-        else:
-            try:
-                choice = choose_series(catalogue, tree, max_fuzz=options.max_fuzz)
-            except MegaportError as exc:
-                _report(options, resolved, None, "", "failed", error=str(exc))
-                raise
-    console.print(f"upstream {resolved.url} @ {options.ref} = {resolved.sha[:12]}")
-    console.print(f"series [bold]{choice.series.name}[/] ({choice.series.era}): {choice.reason}")
-    render_plan(console, choice.plan, title="dry run" if options.dry_run else "patches")
-    if not choice.plan.ok:
-        message = _failure_message(choice, resolved)
-        _report(options, resolved, choice.plan, choice.reason, "failed", error=message)
-        raise MegaportError(message)
-    if options.dry_run:
-        _report(options, resolved, choice.plan, choice.reason, "planned")
-        console.print("dry run: nothing was written")
-        return 0
-    status = _write_tree(options, resolved, choice, console)
+    store = Store()
+    resolved = store.resolve(options.repo, options.ref)
+    dest = options.dest.expanduser().absolute()
+    staging = None if options.dry_run or _in_use(dest) else start_staging(store, resolved, dest)
+    try:
+        choice = _choose(options, catalogue, resolved)
+        console.print(f"upstream {resolved.url} @ {options.ref} = {resolved.sha[:12]}")
+        console.print(f"series [bold]{choice.series.name}[/] ({choice.series.era}): {choice.reason}")
+        render_plan(console, choice.plan, title="dry run" if options.dry_run else "patches")
+        if not choice.plan.ok:
+            message = _failure_message(choice, resolved)
+            _report(options, resolved, choice.plan, choice.reason, "failed", error=message)
+            raise MegaportError(message)
+        if options.dry_run:
+            _report(options, resolved, choice.plan, choice.reason, "planned")
+            console.print("dry run: nothing was written")
+            return 0
+        status = _write_tree(dest, resolved, choice, console, staging)
+        staging = None
+    finally:
+        if staging is not None:
+            staging.discard()
     _report(options, resolved, choice.plan, choice.reason, status)
     return 0
+
+
+def _choose(options: ApplyOptions, catalogue, resolved: ResolvedRef) -> Choice:
+    with BlobReader(resolved.repo, resolved.sha) as tree:
+        if options.series:
+            return forced_choice(catalogue, options.series, tree, max_fuzz=options.max_fuzz)
+        try:
+            return choose_series(catalogue, tree, max_fuzz=options.max_fuzz)
+        except MegaportError as exc:
+            _report(options, resolved, None, "", "failed", error=str(exc))
+            raise
+
+
+def _in_use(dest: Path) -> bool:
+    """DEST already has content: an earlier port to check, or a tree to refuse."""
+    return dest.exists() and not (dest.is_dir() and not any(dest.iterdir()))
 
 
 def _failure_message(choice: Choice, resolved: ResolvedRef) -> str:
@@ -87,30 +104,29 @@ def _report(options, resolved, plan, reason, status, error=None) -> None:
     )
 
 
-def _write_tree(options: ApplyOptions, resolved: ResolvedRef, choice: Choice, console) -> str:
-    """Create DEST from the plan, or confirm an existing identical port; never touch another tree."""
-    dest = options.dest.expanduser().absolute()
-    if _existing_port_matches(dest, resolved, choice):
-        console.print(f"{dest} already holds {choice.series.name} on {resolved.sha[:12]}: nothing to do")
-        return "unchanged"
-    plan = choice.plan
-    changed = sorted({path for p in plan.patches if p.result for path in p.result.changes})
-    check_symlink_escape(resolved.repo, resolved.sha, changed)
-    modes = file_modes(resolved.repo, resolved.sha, changed)
-    branch = branch_name(choice.series.name)
-    tmp = temporary_sibling(dest)
+def _write_tree(dest: Path, resolved: ResolvedRef, choice: Choice, console, staging: Staging | None) -> str:
+    """Finish the staged tree and move it to DEST, or confirm an existing identical port."""
+    if staging is None:
+        if _existing_port_matches(dest, resolved, choice):
+            console.print(f"{dest} already holds {choice.series.name} on {resolved.sha[:12]}: nothing to do")
+            return "unchanged"
+        staging = start_staging(Store(), resolved, dest)
     try:
-        Store().init_from_cache(resolved, tmp)
-        commits = commit_plan(tmp, plan, resolved.sha, branch, modes)
-        Store().check_out(tmp, branch)
-        write_state(tmp, _state(resolved, choice, branch, commits, changed, rev_parse(tmp, "HEAD")))
-        move_into_place(tmp, dest)
+        plan = choice.plan
+        changed = sorted({path for p in plan.patches if p.result for path in p.result.changes})
+        check_symlink_escape(resolved.repo, resolved.sha, changed)
+        modes = file_modes(resolved.repo, resolved.sha, changed)
+        branch = branch_name(choice.series.name)
+        commits = commit_plan(staging.tmp, plan, resolved.sha, branch, modes)
+        staging.checkout.wait()
+        write_changes(staging.tmp, plan, modes, branch)
+        head = rev_parse(staging.tmp, "HEAD")
+        write_state(staging.tmp, _state(resolved, choice, branch, commits, changed, head))
+        move_into_place(staging.tmp, dest)
     except BaseException:
-        remove_tree(tmp)
+        staging.discard()
         raise
-    console.print(
-        f"[green]ported[/] {resolved.sha[:12]} with {choice.series.name} into {dest} (branch {branch})"
-    )
+    console.print(f"[green]ported[/] {resolved.sha[:12]} with {choice.series.name} into {dest} (branch {branch})")
     return "applied"
 
 
