@@ -9,8 +9,10 @@ import pytest
 
 # Every release the integration tests use, asked for as ONE set so the shared cached repo is built
 # once and never rebuilt in the middle of a session.
+# All releases that install on Python 3.11 (0.17+ need 3.12): upstream's megatron/core at each tag.
 CORE_TEST_RELEASES = [
-    "0.13.0", "0.13.1", "0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3", "0.16.0", "0.16.1",
+    "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.12.1", "0.12.2",
+    "0.12.3", "0.13.0", "0.13.1", "0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3", "0.16.0", "0.16.1",
 ]
 
 FAKE_MODULES = (

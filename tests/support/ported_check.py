@@ -1,6 +1,8 @@
 """Run inside a fresh interpreter against a ported tree: imports and softmax numerics.
 
-Usage: python ported_check.py TREE FAKES_DIR   → prints one JSON line of findings.
+Usage: python ported_check.py TREE FAKES_DIR zero|uniform   → prints one JSON line of findings.
+
+The third argument is the era's kernel semantics for fully masked rows, from the catalogue.
 
 FAKES_DIR holds stand-ins for apex, amp_C and the fused *_cuda extensions that raise when
 imported: if the ported tree let any of them through, the import crashes (upstream only catches
@@ -80,11 +82,24 @@ def check_softmax(fused_softmax, torch, zero_fully_masked: bool) -> dict:
     return findings
 
 
+def first_module(*names: str):
+    """The first of ``names`` that the tree has: module paths moved between eras."""
+    import importlib
+
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise
+    return None
+
+
 def main() -> None:
-    tree, fakes = sys.argv[1], sys.argv[2]
+    tree, fakes, semantics = sys.argv[1], sys.argv[2], sys.argv[3]
     sys.path[:0] = [tree, fakes]
     try:
-        check()
+        check(zero_fully_masked=semantics == "zero")
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
         if top == "megatron" or top in BLOCKED_ROOTS or top.endswith("_cuda"):
@@ -93,44 +108,39 @@ def main() -> None:
         print(json.dumps({"missing_dependency": top}))
 
 
-def check() -> None:
+def check(zero_fully_masked: bool) -> None:
     import torch
 
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.fusions.fused_layer_norm as fused_layer_norm
-    import megatron.core.tensor_parallel.layers as layers
-
-    imported = ["fused_softmax", "fused_layer_norm", "tensor_parallel.layers"]
-    try:
-        import megatron.core.optimizer  # noqa: F401  (absent before core 0.6)
-
-        imported.append("optimizer")
-    except ModuleNotFoundError as exc:
-        if exc.name != "megatron.core.optimizer":
-            raise
-    from megatron.core import rocm_port
+    rocm_port = first_module("megatron.core.rocm_port", "megatron.rocm_port")
+    fused_softmax = first_module(
+        "megatron.core.fusions.fused_softmax", "megatron.legacy.model.fused_softmax", "megatron.model.fused_softmax"
+    )
+    layers = first_module("megatron.core.tensor_parallel.layers")
+    optimizer = first_module("megatron.core.optimizer")
+    imported = [m.__name__ for m in (rocm_port, fused_softmax, layers, optimizer) if m is not None]
 
     module = fused_softmax.FusedScaleMaskSoftmax
     x = torch.randn(4, 6, dtype=torch.float32, requires_grad=True)
     weight = torch.randn(6, requires_grad=True)
     bias = torch.randn(6, requires_grad=True)
-    ln = fused_layer_norm.FusedLayerNormAffineFunction.apply(x, weight, bias, (6,), 1e-5)
+    ln = rocm_port.FusedLayerNormAffineFunction.apply(x, weight, bias, (6,), 1e-5)
     ln_ref = torch.nn.functional.layer_norm(x, (6,), weight, bias, 1e-5)
-    main_grad = torch.zeros(5, 6)
-    total_input, grad_output = torch.randn(7, 6), torch.randn(7, 5)
-    layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
     result = {
         "imported": imported,
         "blocked_loaded": blocked_modules_loaded(),
         "softmax_is_port": fused_softmax.ScaledMaskedSoftmax is rocm_port.ScaledMaskedSoftmax,
-        "batch_per_block": module.get_batch_per_block(1024, 1024, 2, 16),
-        "grad_accum_fusion_available": bool(getattr(layers, "_grad_accum_fusion_available", False)),
-        "wgrad_err": float((main_grad - grad_output.t() @ total_input).abs().max()),
+        "batch_per_block": module.get_batch_per_block(1024, 1024, 2, 16) if hasattr(module, "get_batch_per_block") else None,
         "layer_norm_err": float((ln - ln_ref).abs().max()),
         "fully_masked_zero": rocm_port.FULLY_MASKED_ROWS_ARE_ZERO,
-        "softmax": check_softmax(fused_softmax, torch, rocm_port.FULLY_MASKED_ROWS_ARE_ZERO),
-        "blocked_loaded_after": blocked_modules_loaded(),
+        "softmax": check_softmax(fused_softmax, torch, zero_fully_masked),
     }
+    if layers is not None:
+        main_grad = torch.zeros(5, 6)
+        total_input, grad_output = torch.randn(7, 6), torch.randn(7, 5)
+        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+        result["grad_accum_fusion_available"] = bool(getattr(layers, "_grad_accum_fusion_available", False))
+        result["wgrad_err"] = float((main_grad - grad_output.t() @ total_input).abs().max())
+    result["blocked_loaded_after"] = blocked_modules_loaded()
     print(json.dumps(result))
 
 
