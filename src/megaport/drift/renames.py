@@ -1,0 +1,131 @@
+"""Where did a file go? For hunks whose file upstream no longer has.
+
+1. git's own rename detection (``git diff --find-renames``) between a commit that still has the
+   file and the checked commit. Such commits: the series' tested shas that the repository holds,
+   and the other refs of the same drift run, preferring one whose blob is the patch's preimage.
+2. Failing that, a search of the checked tree for files with the same name, scored by how
+   similar they are to the preimage (or, without one, to the hunks' old lines).
+"""
+
+from __future__ import annotations
+
+import difflib
+import posixpath
+from pathlib import Path
+from typing import Iterable, Optional
+
+from megaport.engine.blob import git_blob_id
+from megaport.git import run_git
+
+from .objects import ObjectReader, list_files
+
+#: A same-name file must be at least this similar to count as the moved file.
+MIN_SIMILARITY = 0.5
+
+
+class MoveFinder:
+    """Finds likely new paths in commit ``sha`` of ``repo``; caches git's answers per run."""
+
+    def __init__(self, repo: Path, objects: ObjectReader, bases: Iterable[str] = ()) -> None:
+        self.repo = repo
+        self.objects = objects
+        self.bases = list(dict.fromkeys(bases))
+        self._renames: dict[tuple[str, str], dict[str, Optional[str]]] = {}
+        self._files: dict[str, list[str]] = {}
+
+    def finder(self, sha: str):
+        """A ``locate_moved(path, preimage)`` callable for ``check_series`` on ``sha``."""
+
+        def locate(path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
+            return self.locate(sha, path, preimage)
+
+        return locate
+
+    def locate(self, sha: str, path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
+        """``(new path or None, what happened)`` for ``path``, absent from ``sha``."""
+        base = self._base_holding(path, preimage, sha)
+        if base is not None:
+            renames = self._rename_map(base, sha)
+            if path in renames:
+                new = renames[path]
+                if new is not None:
+                    return new, f"file was renamed to {new} (git rename detection from {base[:12]})"
+                found = self._same_name(sha, path, preimage)
+                if found:
+                    return found[0], f"file was deleted; {_similar(*found)}"
+                return None, "file was deleted upstream"
+        found = self._same_name(sha, path, preimage)
+        if found:
+            return found[0], f"file is gone; {_similar(*found)}"
+        return None, "file does not exist upstream"
+
+    def _base_holding(self, path: str, preimage: Optional[bytes], sha: str) -> Optional[str]:
+        """A commit that has ``path``, best one whose blob is the preimage."""
+        wanted = git_blob_id(preimage) if preimage is not None else None
+        holding = []
+        for base in self.bases:
+            if base == sha:
+                continue
+            found = self.objects.get(f"{base}:{path}")
+            if found is None or found[0] != "blob":
+                continue
+            if wanted is not None and found[1] == wanted:
+                return base
+            holding.append(base)
+        return holding[0] if holding else None
+
+    def _rename_map(self, base: str, sha: str) -> dict[str, Optional[str]]:
+        """Old path -> new path (renamed) or None (deleted), from base to sha."""
+        key = (base, sha)
+        if key not in self._renames:
+            out = run_git(
+                ["diff", "--no-ext-diff", "--name-status", "-z", "--find-renames", "--diff-filter=DR", base, sha],
+                self.repo,
+            ).stdout
+            fields = [f for f in out.split("\0")]
+            result: dict[str, Optional[str]] = {}
+            i = 0
+            while i < len(fields) and fields[i]:
+                status = fields[i]
+                if status.startswith("R") and i + 2 < len(fields):
+                    result[fields[i + 1]] = fields[i + 2]
+                    i += 3
+                else:
+                    result.setdefault(fields[i + 1], None)
+                    i += 2
+            self._renames[key] = result
+        return self._renames[key]
+
+    def _same_name(
+        self, sha: str, path: str, preimage: Optional[bytes]
+    ) -> Optional[tuple[str, Optional[float]]]:
+        """The most similar file of ``sha`` with the same name (without a preimage to compare
+        with: the only one), and how similar it is."""
+        if sha not in self._files:
+            self._files[sha] = list_files(self.repo, sha)
+        name = posixpath.basename(path)
+        candidates = [p for p in self._files[sha] if posixpath.basename(p) == name and p != path]
+        if not candidates or preimage is None:
+            return (candidates[0], None) if len(candidates) == 1 and preimage is None else None
+        wanted = preimage.decode("utf-8", "replace").splitlines()
+        scored = []
+        for candidate in candidates:
+            data = self.objects.get(f"{sha}:{candidate}")
+            if data is None or data[0] != "blob":
+                continue
+            lines = data[2].decode("utf-8", "replace").splitlines()
+            matcher = difflib.SequenceMatcher(None, wanted, lines, autojunk=False)
+            ratio = matcher.quick_ratio()
+            if ratio >= MIN_SIMILARITY:
+                ratio = matcher.ratio()
+            scored.append((ratio, -abs(len(candidate) - len(path)), candidate))
+        if not scored:
+            return None
+        ratio, _, best = max(scored)
+        return (best, ratio) if ratio >= MIN_SIMILARITY else None
+
+
+def _similar(path: str, ratio: Optional[float]) -> str:
+    if ratio is None:
+        return f"{path} has the same name"
+    return f"{path} has the same name and is {ratio:.0%} similar"
