@@ -1,0 +1,158 @@
+"""One drift run: resolve every ref first, then check the chosen series on each, reading blobs
+straight from the cached repository (no checkout, one ``git cat-file`` process for all refs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from megaport.catalogue import Catalogue, Series, load_catalogue
+from megaport.errors import MegaportError
+from megaport.git import is_shallow
+from megaport.selection import read_facts, recognised
+from megaport.store import Store
+
+from .check import LoadedSeries, check_series, load_series
+from .model import BROKEN, CONFLICT, FUZZ, MISSING, OFFSET, THREEWAY, DriftReport, SeriesDrift
+from .objects import ObjectReader, TreeView
+from .refs import Target, resolve_targets
+from .renames import MoveFinder
+
+AUTO = "auto"
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class DriftOptions:
+    repo: str
+    refs: tuple[str, ...]
+    series: tuple[str, ...] = (AUTO,)
+    patches: Optional[str] = None
+    last: Optional[int] = None
+    max_fuzz: int = 2
+
+
+def run_drift(options: DriftOptions, *, store: Optional[Store] = None, on_result: Callable[[SeriesDrift], None] | None = None) -> DriftReport:
+    """Check the series on every ref; ``on_result`` sees each (ref, series) as it is done."""
+    catalogue = load_catalogue(options.patches)
+    mode = _series_mode(catalogue, options.series)
+    store = store or Store()
+    url, repo, targets = resolve_targets(store, options.repo, options.refs, last=options.last)
+    results: list[SeriesDrift] = []
+    with ObjectReader(repo) as objects:
+        session = DriftSession(catalogue, objects, store, url, repo, targets, max_fuzz=options.max_fuzz)
+        for target in targets:
+            for result in session.check(target, mode):
+                results.append(result)
+                if on_result:
+                    on_result(result)
+    return DriftReport(repo=url, results=tuple(results), patches_dir=catalogue.root)
+
+
+def _series_mode(catalogue: Catalogue, names: Sequence[str]) -> str | tuple[Series, ...]:
+    names = tuple(n.strip() for name in names for n in name.split(",") if n.strip()) or (AUTO,)
+    if len(names) == 1 and names[0] in (AUTO, ALL):
+        return names[0]
+    if AUTO in names or ALL in names:
+        raise MegaportError("--series auto and --series all cannot be combined with series names")
+    return tuple(catalogue.get(name) for name in dict.fromkeys(names))
+
+
+class DriftSession:
+    """What the checks of one run share: parsed series, the object reader, rename lookups."""
+
+    def __init__(
+        self, catalogue: Catalogue, objects: ObjectReader, store: Store, url: str, repo: Path,
+        targets: Sequence[Target], *, max_fuzz: int = 2,
+    ) -> None:
+        self.catalogue = catalogue
+        self.objects = objects
+        self.store = store
+        self.url = url
+        self.repo = repo
+        self.max_fuzz = max_fuzz
+        self._loaded: dict[str, LoadedSeries] = {}
+        self._fetched_for: set[str] = set()
+        tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
+        bases = [sha for sha in dict.fromkeys(tested) if self._has_commit(sha)]
+        self.moves = MoveFinder(repo, objects, bases + [t.sha for t in targets])
+
+    def loaded(self, series: Series) -> LoadedSeries:
+        if series.name not in self._loaded:
+            self._loaded[series.name] = load_series(series)
+        return self._loaded[series.name]
+
+    def check(self, target: Target, mode) -> list[SeriesDrift]:
+        """The results for one commit: the chosen series (auto), every series, or the named ones."""
+        tree = self.objects.tree(target.sha)
+        if mode == ALL:
+            return [self.check_one(target, tree, s, "every series (--series all)") for s in self.catalogue.series]
+        if mode != AUTO:
+            return [self.check_one(target, tree, s, "chosen with --series") for s in mode]
+        return [self.choose(target, tree)]
+
+    def choose(self, target: Target, tree: TreeView) -> SeriesDrift:
+        """megaport's recognition (docs/selection.md); when it names none or several series, the
+        one that fits best."""
+        facts = read_facts(tree)
+        candidates = [s for s in self.catalogue.series if recognised(s, facts, tree)]
+        described = f"megatron/core {facts.version_text}"
+        if len(candidates) == 1:
+            series = candidates[0]
+            return self.check_one(target, tree, series, f"{described} is in its range ({series.tested_range})")
+        pool = candidates or list(self.catalogue.series)
+        why = f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
+        checked = [self.check_one(target, tree, s, "") for s in pool]
+        best = min(checked, key=fit_cost)
+        verdict = "fits best" if best.status not in BROKEN else "is the nearest (none applies)"
+        return SeriesDrift(
+            best.ref, best.sha, best.series, best.patches, f"{why}; {best.series} {verdict}", best.series_dir
+        )
+
+    def check_one(self, target: Target, tree: TreeView, series: Series, reason: str) -> SeriesDrift:
+        return check_series(
+            self.loaded(series), tree, ref=target.ref, sha=target.sha, reason=reason,
+            preimage=self.preimages(series), locate_moved=self.moves.finder(target.sha), max_fuzz=self.max_fuzz,
+        )
+
+    def preimages(self, series: Series) -> Callable[[Optional[str]], Optional[bytes]]:
+        """Blob lookup for 3-way merges. A shallow cache may lack a preimage: then the series'
+        tested commits are fetched once (each a shallow fetch of one sha) and the lookup retried."""
+
+        def lookup(oid: Optional[str]) -> Optional[bytes]:
+            data = self.objects.blob(oid)
+            if data is not None or not oid or set(oid) == {"0"} or series.name in self._fetched_for:
+                return data
+            self._fetched_for.add(series.name)
+            if not is_shallow(self.repo):
+                return None
+            for tested in series.tested:
+                if not tested.sha or self._has_commit(tested.sha):
+                    continue
+                try:
+                    self.store.resolve(self.url, tested.sha, progress=False)
+                except MegaportError:
+                    break
+                data = self.objects.blob(oid)
+                if data is not None:
+                    return data
+            return None
+
+        return lookup
+
+    def _has_commit(self, sha: str) -> bool:
+        found = self.objects.get(sha)
+        return found is not None and found[0] == "commit"
+
+
+def fit_cost(result: SeriesDrift) -> tuple[int, ...]:
+    """Fewer broken hunks first, then fewer merges, fuzz and offsets."""
+    counts = result.counts
+    return (
+        result.exit_code,
+        counts.get(CONFLICT, 0) + counts.get(MISSING, 0),
+        counts.get(THREEWAY, 0),
+        counts.get(FUZZ, 0),
+        counts.get(OFFSET, 0),
+    )
