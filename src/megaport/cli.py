@@ -178,5 +178,102 @@ def regenerate(patches, check):
     return regenerate_series(_console(), patches=str(patches) if patches else None, check=check)
 
 
+class _UsageExit3(click.Command):
+    """drift/refresh/lint: a usage error exits 3, because their exit code 2 means 'conflict'."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            exc.exit_code = 3
+            raise
+
+
+_PATCHES_OPTION = click.option(
+    "--patches", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar="MEGAPORT_PATCHES",
+    help="Catalogue directory to use instead of the built-in one [env: MEGAPORT_PATCHES].",
+)
+_REPO_OPTION = click.option(
+    "--repo", default=lambda: os.environ.get(UPSTREAM_ENV, DEFAULT_UPSTREAM),
+    show_default=f"${UPSTREAM_ENV} or {DEFAULT_UPSTREAM}", help="Upstream git URL, file:// URL or local clone.",
+)
+
+
+@main.command(cls=_UsageExit3)
+@click.option("--ref", "refs", multiple=True, required=True, metavar="REF",
+              help="Tag, branch or sha; a tag glob ('core_v0.1*'); or a range 'A..B' (main~10..main). Repeatable.")
+@click.option("--last", type=click.IntRange(min=1), metavar="N",
+              help="Each plain --ref stands for its newest N first-parent commits (like REF~N..REF).")
+@_REPO_OPTION
+@click.option("--series", "series_names", multiple=True, default=("auto",), show_default=True, metavar="NAME|auto|all",
+              help="auto: the series megaport would choose for each ref; all: every series on every ref; or names.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown", "junit", "github"]), default="text",
+              show_default=True, help="Report format (github: workflow annotations on the patch files).")
+@click.option("--output", metavar="FILE", help="Write the report to FILE instead of stdout.")
+@click.option("--summary", metavar="FILE", help="Also append the Markdown report to FILE (e.g. $GITHUB_STEP_SUMMARY).")
+@click.option("--fuzz", "max_fuzz", type=click.IntRange(0, 3), default=2, show_default=True,
+              help="Most context lines a hunk may ignore to count as 'fuzz' rather than a merge or a conflict.")
+@_PATCHES_OPTION
+@handle_errors
+def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, patches):
+    """Check how each series fits upstream refs, hunk by hunk, without checking anything out.
+
+    \b
+    Every hunk is clean, offset N, fuzz N, 3way (only a three-way merge with
+    the patch's preimage works), applied (upstream has it), missing (file gone;
+    likely new path given) or conflict (nearest match and similarity given).
+    Exit 0 all clean, 1 drift that still applies, 2 a conflict or missing file,
+    3 usage or environment error. docs/drift.md has the JSON shape and CI recipes.
+    """
+    from megaport.commands.drift import drift as run_drift_command
+    from megaport.drift.run import DriftOptions
+
+    options = DriftOptions(
+        repo=repo, refs=tuple(refs), series=tuple(series_names), patches=str(patches) if patches else None,
+        last=last, max_fuzz=max_fuzz,
+    )
+    return run_drift_command(options, _console(), fmt=fmt, output=output, summary=summary)
+
+
+@main.command(cls=_UsageExit3)
+@click.option("--series", "series_name", required=True, metavar="NAME", help="The series to rebuild.")
+@click.option("--ref", required=True, help="Upstream ref to rebuild it on.")
+@click.option("--as", "as_name", metavar="NEW", help="Write the result as a new series NEW (folder + catalogue entry).")
+@click.option("--in-place", is_flag=True, help="Rewrite the series' own patch files.")
+@_REPO_OPTION
+@_PATCHES_OPTION
+@handle_errors
+def refresh(series_name, ref, as_name, in_place, repo, patches):
+    """Rebuild a series on REF (offset, fuzz or three-way) and export it.
+
+    Patches whose hunks are all clean keep every byte; the others are rediffed with
+    three lines of context. Without --as or --in-place it only previews. When a hunk
+    conflicts, the hunks are listed and nothing is written (exit 2).
+    """
+    from megaport.commands.refresh import RefreshOptions
+    from megaport.commands.refresh import refresh as run_refresh
+
+    options = RefreshOptions(
+        series=series_name, ref=ref, repo=repo, patches=str(patches) if patches else None,
+        as_name=as_name, in_place=in_place,
+    )
+    return run_refresh(options, _console())
+
+
+@main.command(cls=_UsageExit3)
+@_PATCHES_OPTION
+@click.option("--format", "fmt", type=click.Choice(["text", "github"]), default="text", show_default=True,
+              help="github: workflow annotations.")
+@handle_errors
+def lint(patches, fmt):
+    """Check the catalogue: subjects, reasons, Upstream-Range trailers, folders, paths, rules.
+
+    Exit 0 clean, 1 problems (one line each: where and what to do), 3 usage error.
+    """
+    from megaport.commands.lint import lint as run_lint
+
+    return run_lint(_console(), patches=str(patches) if patches else None, fmt=fmt)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
