@@ -184,6 +184,10 @@ def _check_file(
     source = file.old_path if (file.is_rename or file.is_deleted) and file.old_path else file.path
     if error is not None:
         return _file_error(file, engine_hunks, error, lines, current, source, preimage, locate_moved)
+    if not any(found.failed for found in engine_hunks):
+        # This file is fine; another file of the patch is not. Apply just this one.
+        alone = apply_patch(Patch("", "", "", None, None, (file,)), current, max_fuzz=max_fuzz)
+        return [_placed(found, _line_of(lines, found)) for found in engine_hunks], dict(alone.changes)
     content = current(source)
     assert content is not None
     text = decode(content)
