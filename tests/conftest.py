@@ -18,6 +18,7 @@ CORE_TEST_RELEASES = [
 FAKE_MODULES = (
     "apex", "amp_C", "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
     "scaled_softmax_cuda", "fused_weight_gradient_mlp_cuda", "fused_layer_norm_cuda",
+    "fused_mix_prec_layer_norm_cuda",
 )
 
 

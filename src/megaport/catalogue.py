@@ -32,6 +32,11 @@ class TestedRef:
     sha: str
     date: str | None = None
 
+    @property
+    def label(self) -> str:
+        """How people name it: the tag, or a branch with the commit's date ('main@2023-04-19')."""
+        return f"{self.ref}@{self.date}" if self.date else self.ref
+
 
 @dataclass(frozen=True)
 class Recognise:
@@ -81,7 +86,7 @@ class Series:
         """First and last tested ref, the way people talk about a range."""
         if not self.tested:
             return "untested"
-        first, last = self.tested[0].ref, self.tested[-1].ref
+        first, last = self.tested[0].label, self.tested[-1].label
         return first if first == last else f"{first} … {last}"
 
 

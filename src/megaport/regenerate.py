@@ -65,12 +65,9 @@ TRAILER = b"Upstream-Range: "
 
 def upstream_range(series: Series) -> str:
     """'first..last' of the tested refs; a branch entry carries its date ('main@2026-08-22')."""
-    def label(tested) -> str:
-        return f"{tested.ref}@{tested.date}" if tested.date else tested.ref
-
     if not series.tested:
         return "untested"
-    return f"{label(series.tested[0])}..{label(series.tested[-1])}"
+    return f"{series.tested[0].label}..{series.tested[-1].label}"
 
 
 def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:

@@ -28,6 +28,12 @@ class TreeFacts:
     def version_text(self) -> str:
         return ".".join(map(str, self.core_version)) if self.core_version else "unknown"
 
+    @property
+    def description(self) -> str:
+        if self.core_version is None:
+            return "tree without megatron/core/package_info.py"
+        return "megatron/core " + ".".join(map(str, self.core_version))
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -82,7 +88,7 @@ def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) 
     """Pick the series for a tree, or fail with the nearest series and where it conflicts."""
     facts = read_facts(tree)
     candidates = [s for s in catalogue.series if recognised(s, facts, tree)]
-    described = f"megatron/core {facts.version_text}"
+    described = facts.description
     if len(candidates) == 1:
         plan = plan_series(candidates[0], tree, max_fuzz=max_fuzz)
         if plan.ok:
