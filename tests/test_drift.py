@@ -272,6 +272,17 @@ def test_a_range_and_last_check_the_newest_commits(upstream, catalogue):
     assert [r["sha"] for r in last["refs"]] == [git(repo, "rev-parse", f"main~{k}") for k in (2, 1, 0)]
 
 
+def test_globs_sort_by_version_and_last_takes_the_newest_tags(upstream, catalogue, tmp_path):
+    clone = tmp_path / "tags"
+    git(tmp_path, "clone", "--quiet", str(upstream[0]), str(clone))
+    for name in ("rel_1.10.0rc2", "rel_1.2.0", "rel_1.9.0", "rel_1.2.0rc1"):
+        git(clone, "tag", name, "s_clean")
+    _, report = drift_json(clone, catalogue, "rel_*")
+    assert [r["ref"] for r in report["refs"]] == ["rel_1.2.0rc1", "rel_1.2.0", "rel_1.9.0", "rel_1.10.0rc2"]
+    _, newest = drift_json(clone, catalogue, "rel_*", "v1", extra=("--last", "1"))
+    assert [r["ref"] for r in newest["refs"]] == ["rel_1.10.0rc2", "v1"]
+
+
 def test_a_glob_matching_nothing_is_a_usage_error(upstream, catalogue):
     result = drift("--repo", str(upstream[0]), "--patches", str(catalogue), "--ref", "nope_*")
     assert result.exit_code == 3

@@ -9,7 +9,9 @@ A ``--ref`` is one of:
 * a range ``A..B`` (``main~10..main``): the commits on B's first-parent line that A lacks,
   oldest first, named ``B~k``;
 * with ``--last N``, a plain ref stands for its newest N first-parent commits (``main`` with
-  ``--last 3`` is ``main~2``, ``main~1``, ``main``): the same as ``main~N..main``.
+  ``--last 3`` is ``main~2``, ``main~1``, ``main``): the same as ``main~N..main``; and a glob
+  for its N newest tags (``core_v* --last 1`` is the newest release; release candidates sort
+  before their release).
 
 Globs, ranges and ``--last`` need the whole history: the first of them fetches every branch and
 tag once (unshallowing the cache); the plain refs of the same run are then looked up locally.
@@ -30,6 +32,10 @@ from megaport.store import Store, display_url, normalize_url
 
 _GLOB = re.compile(r"[*?\[]")
 _FULL_REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
+# Version sort puts these pre-release suffixes before the release (0.14.0rc3 < 0.14.0).
+_PRERELEASES = tuple(
+    arg for suffix in ("rc", "-rc", ".rc", "dev", ".dev", "alpha", "beta") for arg in ("-c", f"versionsort.suffix={suffix}")
+)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,8 @@ def resolve_targets(
             low, _, high = spec.partition("..")
             targets.extend(_range(repo, url, high or "HEAD", low, None, spec))
         elif is_glob(spec):
-            targets.extend(_glob(repo, url, spec))
+            matched = _glob(repo, url, spec)
+            targets.extend(matched[-last:] if last is not None else matched)
         else:
             sha = _lookup(repo, spec) if whole_history else None
             if sha is None:
@@ -110,7 +117,8 @@ def fetch_everything(store: Store, url: str) -> Path:
 def _glob(repo: Path, url: str, pattern: str) -> list[Target]:
     full = pattern.startswith("refs/")
     names = run_git(
-        ["for-each-ref", "--sort=version:refname", "--format=%(refname)", *(["refs/"] if full else ["refs/tags/"])],
+        [*_PRERELEASES, "for-each-ref", "--sort=version:refname", "--format=%(refname)",
+         *(["refs/"] if full else ["refs/tags/"])],
         repo,
     ).stdout.split()
     targets = []
