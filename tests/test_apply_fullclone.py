@@ -97,3 +97,18 @@ def test_sampled_untagged_main_commits_port(clone, tmp_path):
             continue
         assert_clean(report)
     assert not failures, "\n".join(failures)
+
+
+def test_stanford_megatron_ports(tmp_path, fake_cuda_modules):
+    """stanford-futuredata/Megatron-LM (the tree ROCm ships): upstream 2023-01 plus MoE commits."""
+    location = os.environ.get("MEGAPORT_STANFORD_CLONE")
+    if not location:
+        pytest.skip("set MEGAPORT_STANFORD_CLONE to a stanford-futuredata/Megatron-LM clone to run this")
+    dest = tmp_path / "stanford"
+    code, report, output = port(Path(location), "85f95ae", dest)
+    assert code == 0, output
+    assert report["series"].startswith("e3-")
+    assert_clean(report)
+    pytest.importorskip("torch")
+    found = check_tree(dest, fake_cuda_modules, semantics_of(report["series"]))
+    assert_kernel_semantics(found, semantics_of(report["series"]))
