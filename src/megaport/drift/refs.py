@@ -157,8 +157,8 @@ def _lookup(repo: Path, name: str) -> Optional[str]:
     """A branch, tag, sha or revision expression (``main~3``) among what the cache holds."""
     if not (repo / "HEAD").exists() and not (repo / ".git").exists():
         return None
-    if name.startswith("-"):
-        return None
+    if name.startswith("-") or name == "HEAD" or name.startswith("HEAD~") or name.startswith("HEAD^"):
+        return None  # the cache's HEAD is not the remote's: let the store ask the remote
     base, suffix = re.match(r"^(.*?)([~^].*)?$", name).groups()
     for candidate in (f"refs/heads/{base}", f"refs/tags/{base}", base):
         sha = rev_parse(repo, f"{candidate}{suffix or ''}^{{commit}}")
