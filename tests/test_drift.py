@@ -267,6 +267,8 @@ def test_a_range_and_last_check_the_newest_commits(upstream, catalogue):
     code, report = drift_json(repo, catalogue, "main~2..main")
     assert [r["ref"] for r in report["refs"]] == ["main~1", "main"]
     assert [r["status"] for r in report["refs"]] == ["clean", "offset"] and code == 1
+    _, head = drift_json(repo, catalogue, "HEAD~1..HEAD")
+    assert [(r["ref"], r["sha"]) for r in head["refs"]] == [("HEAD", git(repo, "rev-parse", "main"))]
     code, last = drift_json(repo, catalogue, "main", extra=("--last", "3"))
     assert [r["ref"] for r in last["refs"]] == ["main~2", "main~1", "main"]
     assert [r["sha"] for r in last["refs"]] == [git(repo, "rev-parse", f"main~{k}") for k in (2, 1, 0)]

@@ -32,6 +32,7 @@ from megaport.store import Store, display_url, normalize_url
 
 _GLOB = re.compile(r"[*?\[]")
 _FULL_REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
+_REMOTE_HEAD = "refs/megaport/remote-HEAD"  # where the store keeps the remote's HEAD
 # Version sort puts these pre-release suffixes before the release (0.14.0rc3 < 0.14.0).
 _PRERELEASES = tuple(
     arg for suffix in ("rc", "-rc", ".rc", "dev", ".dev", "alpha", "beta") for arg in ("-c", f"versionsort.suffix={suffix}")
@@ -106,7 +107,7 @@ def fetch_everything(store: Store, url: str) -> Path:
             args.append("--unshallow")
         show = _network(url) and _stderr_is_tty()
         try:
-            store._fetch(repo, url, [*args, url, *_FULL_REFSPECS], show)  # noqa: SLF001
+            store._fetch(repo, url, [*args, url, *_FULL_REFSPECS, f"+HEAD:{_REMOTE_HEAD}"], show)  # noqa: SLF001
         except GitError as exc:
             raise MegaportError(
                 f"cannot fetch {display_url(url)}: {exc.reason or 'git fetch failed'}; check the URL or your network"
@@ -157,10 +158,12 @@ def _lookup(repo: Path, name: str) -> Optional[str]:
     """A branch, tag, sha or revision expression (``main~3``) among what the cache holds."""
     if not (repo / "HEAD").exists() and not (repo / ".git").exists():
         return None
-    if name.startswith("-") or name == "HEAD" or name.startswith("HEAD~") or name.startswith("HEAD^"):
-        return None  # the cache's HEAD is not the remote's: let the store ask the remote
+    if name.startswith("-"):
+        return None
     base, suffix = re.match(r"^(.*?)([~^].*)?$", name).groups()
-    for candidate in (f"refs/heads/{base}", f"refs/tags/{base}", base):
+    # The cache's own HEAD is not the remote's: fetch_everything records that one.
+    candidates = (_REMOTE_HEAD,) if base == "HEAD" else (f"refs/heads/{base}", f"refs/tags/{base}", base)
+    for candidate in candidates:
         sha = rev_parse(repo, f"{candidate}{suffix or ''}^{{commit}}")
         if sha:
             return sha
