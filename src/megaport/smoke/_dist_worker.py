@@ -1,0 +1,229 @@
+"""One rank of the distributed smoke test, started by torch.distributed.run (torchrun).
+
+Usage (test_distributed.py builds this): python -m torch.distributed.run --standalone
+--nproc-per-node 2 _dist_worker.py --tree DIR --out DIR --device cpu|cuda|hip --backend NAME
+
+Writes OUT/rank<N>.json: the backend used and one entry per check, {"ok": bool, "detail": str}
+or {"skip": reason}. Every check runs the tree's own code; nothing here stands in for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def _blocked_loaded():
+    return sorted(n for n in sys.modules if n.partition(".")[0] in ("apex", "amp_C") or n.partition(".")[0].endswith("_cuda"))
+
+
+def check(results, name):
+    """Decorator: run one check, record ok/detail, or the exception."""
+
+    def wrap(fn):
+        try:
+            out = fn()
+            results[name] = out if isinstance(out, dict) else {"ok": True, "detail": str(out or "")}
+        except SkipCheck as exc:
+            results[name] = {"skip": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
+            results[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()[-3000:]}
+        return fn
+
+    return wrap
+
+
+class SkipCheck(Exception):
+    pass
+
+
+def max_err(a, b):
+    return (a.double().cpu() - b.double().cpu()).abs().max().item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tree", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", required=True, help="--distributed-backend value (resolved by the tree)")
+    args = parser.parse_args()
+    tree = Path(args.tree)
+    if str(tree) not in sys.path:
+        sys.path.insert(0, str(tree))
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    results: dict = {"rank": rank, "world_size": world}
+    out = Path(args.out) / f"rank{rank}.json"
+
+    rocm_port = None
+    for name in ("megatron.core.rocm_port", "megatron.rocm_port"):
+        try:
+            rocm_port = __import__(name, fromlist=["_"])
+            break
+        except ModuleNotFoundError:
+            continue
+    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
+    backend = resolve(args.backend, rank=rank) if resolve else args.backend
+    results["backend"] = {"requested": args.backend, "torch_backend": backend,
+                          "resolved_by": "rocm_port.resolve_distributed_backend" if resolve else "none (as given)"}
+    gpu = args.device != "cpu"
+    device = torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        if rocm_port is not None and hasattr(rocm_port, "collective_library"):
+            results["backend"]["library"] = list(rocm_port.collective_library())
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=90))
+    results["backend"]["initialised"] = dist.get_backend()
+
+    @check(results, "all_reduce")
+    def _():
+        t = torch.arange(1, 1025, dtype=torch.float32, device=device) * (rank + 1)
+        dist.all_reduce(t)
+        factor = sum(r + 1 for r in range(world))
+        want = torch.arange(1, 1025, dtype=torch.float32) * factor
+        ok = torch.equal(t.cpu(), want)
+        ints = torch.full((7,), rank + 1, dtype=torch.int64, device=device)
+        dist.all_reduce(ints)
+        ok_int = bool((ints.cpu() == factor).all())
+        bf = torch.full((33,), 0.5 * (rank + 1), dtype=torch.bfloat16, device=device)
+        dist.all_reduce(bf)
+        ok_bf = bool((bf.float().cpu() == 0.5 * factor).all())
+        return {"ok": ok and ok_int and ok_bf, "detail": f"fp32 exact {ok}, int64 exact {ok_int}, bf16 exact {ok_bf}"}
+
+    @check(results, "broadcast")
+    def _():
+        t = (torch.arange(513, dtype=torch.float32, device=device) * 3.25 + 1) if rank == 0 else \
+            torch.zeros(513, dtype=torch.float32, device=device)
+        dist.broadcast(t, src=0)
+        want = torch.arange(513, dtype=torch.float32) * 3.25 + 1
+        return {"ok": torch.equal(t.cpu(), want), "detail": "rank 0's tensor bit for bit"}
+
+    tp = _tensor_parallel(results, torch, dist, rank, world, device, tree)
+    results["tensor_parallel"] = tp
+    results["blocked_loaded"] = _blocked_loaded()
+    try:
+        dist.barrier()
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # noqa: BLE001
+            pass
+        dist.destroy_process_group()
+    out.write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return 0
+
+
+def _tensor_parallel(results, torch, dist, rank, world, device, tree):
+    """ColumnParallelLinear → RowParallelLinear at TP=world against the unsharded layers."""
+    status = {}
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import layers
+    except ModuleNotFoundError as exc:
+        status["skip"] = f"this era has no megatron.core tensor-parallel layers ({exc})"
+        return status
+    try:
+        from megatron.core.model_parallel_config import ModelParallelConfig
+    except ModuleNotFoundError:
+        status["skip"] = "this era has no ModelParallelConfig (layers take args globals)"
+        return status
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+
+    def config(**extra):
+        return ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True,
+                                   perform_initialization=True, params_dtype=torch.float32, **extra)
+
+    def init(w):
+        return torch.nn.init.normal_(w, std=0.2)
+
+    def gather(t, dim):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    torch.manual_seed(1234)
+    hidden, ffn, out_dim = 8, 3 * world, 4
+    col = layers.ColumnParallelLinear(hidden, ffn, config=config(), init_method=init, bias=True,
+                                      gather_output=False).to(device)
+    row = layers.RowParallelLinear(ffn, out_dim, config=config(), init_method=init, bias=True,
+                                   input_is_parallel=True, skip_bias_add=False).to(device)
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(3, 5, hidden, generator=gen).to(device).requires_grad_(True)
+    g = torch.randn(3, 5, out_dim, generator=gen).to(device)
+    y, _ = col(x)
+    z, _ = row(y)
+    z.backward(g)
+
+    # The unsharded layers, from the gathered shards: plain torch, fp32.
+    w1 = gather(col.weight.detach(), 0).requires_grad_(True)
+    b1 = gather(col.bias.detach(), 0).requires_grad_(True)
+    w2 = gather(row.weight.detach(), 1).requires_grad_(True)
+    b2 = row.bias.detach().clone().requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    yr = torch.nn.functional.linear(xr, w1, b1)
+    zr = torch.nn.functional.linear(yr, w2, b2)
+    zr.backward(g)
+    shard = ffn // world
+    sl = slice(rank * shard, (rank + 1) * shard)
+    tol = 1e-5
+
+    @check(status, "column_parallel_linear")
+    def _():
+        errs = {
+            "forward": max_err(y, yr[..., sl]),
+            "weight_grad": max_err(col.weight.grad, w1.grad[sl]),
+            "bias_grad": max_err(col.bias.grad, b1.grad[sl]),
+            "input_grad": max_err(x.grad, xr.grad),
+        }
+        return {"ok": all(e <= tol for e in errs.values()), "detail": ", ".join(f"{k} {v:.2g}" for k, v in errs.items())}
+
+    @check(status, "row_parallel_linear")
+    def _():
+        errs = {
+            "forward": max_err(z, zr),
+            "weight_grad": max_err(row.weight.grad, w2.grad[:, sl]),
+            "bias_grad": max_err(row.bias.grad, b2.grad),
+        }
+        return {"ok": all(e <= tol for e in errs.values()), "detail": ", ".join(f"{k} {v:.2g}" for k, v in errs.items())}
+
+    @check(status, "gradient_accumulation_fusion")
+    def _():
+        """The default --gradient-accumulation-fusion path: wgrad accumulated into main_grad."""
+        try:
+            fused = layers.ColumnParallelLinear(hidden, ffn, config=config(gradient_accumulation_fusion=True),
+                                                init_method=init, bias=False, gather_output=False).to(device)
+        except TypeError as exc:
+            raise SkipCheck(f"ModelParallelConfig has no gradient_accumulation_fusion ({exc})") from None
+        with torch.no_grad():
+            fused.weight.copy_(col.weight)
+        fused.weight.main_grad = torch.zeros(fused.weight.shape, dtype=torch.float32, device=device)
+        xa = x.detach().clone().requires_grad_(True)
+        for _ in range(2):
+            ya, _unused = fused(xa)
+            ya.backward(torch.ones_like(ya))
+        want = 2 * torch.ones(3 * 5, shard, dtype=torch.float64).t() @ x.detach().double().cpu().reshape(-1, hidden)
+        err = max_err(fused.weight.main_grad, want)
+        no_grad = fused.weight.grad is None
+        return {"ok": err <= 1e-4 and no_grad,
+                "detail": f"main_grad error {err:.2g} after 2 micro-batches; weight.grad is None: {no_grad}"}
+
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

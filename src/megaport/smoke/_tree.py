@@ -1,0 +1,175 @@
+"""Finding things in a ported tree of any era, and the guard against apex and the CUDA extensions.
+
+Harness code: it locates the tree's own modules (megatron.core.fusions.fused_softmax, or
+megatron/model/fused_softmax.py in old eras; megatron/core/rocm_port.py or megatron/rocm_port.py)
+and never supplies an implementation of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+# Where conftest keeps the run's settings (a Smoke object) on the pytest config.
+SMOKE_KEY = pytest.StashKey()
+
+# What the port must keep out of the process: apex, amp_C and every fused "*_cuda" extension.
+BLOCKED_EXACT = ("apex", "amp_C")
+BLOCKED_SUFFIX = "_cuda"
+# Stand-ins put first on sys.path: a real install of any of these is shadowed by a module that
+# raises when imported, so an import that gets past the port's blocker fails loudly.
+STAND_INS = (
+    "apex", "amp_C", "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+    "scaled_softmax_cuda", "generic_scaled_masked_softmax_cuda", "fused_weight_gradient_mlp_cuda",
+    "fused_layer_norm_cuda", "fused_mix_prec_layer_norm_cuda", "fused_dense_cuda",
+)
+STAND_IN_MARK = "megaport verify stand-in"
+
+FUSED_SOFTMAX_MODULES = (
+    "megatron.core.fusions.fused_softmax",   # core_v0.4 and later
+    "megatron.legacy.model.fused_softmax",   # core_v0.6 to 0.16, legacy models
+    "megatron.model.fused_softmax",          # before megatron/core/fusions
+)
+ROCM_PORT_MODULES = ("megatron.core.rocm_port", "megatron.rocm_port")
+MASK_FUNC_MODULES = ("megatron.core.transformer.utils", "megatron.legacy.model.utils", "megatron.model.utils")
+
+
+def is_blocked(name: str) -> bool:
+    top = name.partition(".")[0]
+    return top in BLOCKED_EXACT or top.endswith(BLOCKED_SUFFIX)
+
+
+def blocked_modules_loaded() -> list[str]:
+    return sorted(name for name, module in list(sys.modules.items()) if module is not None and is_blocked(name))
+
+
+def write_stand_ins(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in STAND_INS:
+        package = folder / name
+        package.mkdir(exist_ok=True)
+        (package / "__init__.py").write_text(
+            f"raise RuntimeError({STAND_IN_MARK + ': ' + name + ' was imported; the ported tree must never load it'!r})\n",
+            encoding="utf-8",
+        )
+    return folder
+
+
+def module_name(path: str) -> str | None:
+    """'megatron/core/fusions/fused_softmax.py' → 'megatron.core.fusions.fused_softmax'."""
+    if not path.endswith(".py"):
+        return None
+    parts = path[:-3].split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    if not parts or not all(p.isidentifier() for p in parts):
+        return None
+    return ".".join(parts)
+
+
+def import_first(names):
+    """The first of ``names`` that the tree has; (None, reasons) when none imports."""
+    reasons = []
+    for name in names:
+        try:
+            return importlib.import_module(name), None
+        except ModuleNotFoundError as exc:
+            if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+                reasons.append(f"{name}: not in this tree")
+                continue
+            raise
+    return None, "; ".join(reasons)
+
+
+def is_under(module, tree: Path) -> bool:
+    location = getattr(module, "__file__", None)
+    if location is None:
+        return False
+    try:
+        Path(location).resolve().relative_to(tree.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def tree_frame(exc: BaseException, tree: Path) -> str:
+    """'megatron/core/x.py:12: import apex' for the innermost frame of the tree in a traceback."""
+    found = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        try:
+            rel = Path(frame.filename).resolve().relative_to(tree.resolve())
+        except (ValueError, OSError):
+            continue
+        if rel.name == "rocm_port.py" and frame.name == "find_spec":
+            continue  # the blocker refusing: the importing line is the frame before it
+        found = f"{rel}:{frame.lineno}: {(frame.line or '').strip()}"
+    return found
+
+
+def cuda_only_reason(exc: BaseException, tree: Path) -> str | None:
+    """When ``exc`` is upstream code asking for CUDA on a machine without it: why, with the place."""
+    text = f"{type(exc).__name__}: {exc}"
+    markers = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "No CUDA GPUs are available",
+               "CUDA driver initialization failed", "no CUDA-capable device")
+    if not any(m in text for m in markers):
+        return None
+    where = tree_frame(exc, tree) or "upstream code"
+    return f"the era's code needs a GPU here ({where}): {text}"
+
+
+def distributed_backend_default(tree: Path) -> tuple[str, str]:
+    """The tree's ``--distributed-backend`` default and where it came from.
+
+    E1–E6 declare it in arguments.py (megatron/ or megatron/training/); E7–E8 in
+    megatron/training/config/common_config.py. PyPI-built trees have neither, and the value the
+    series installs there is rocm_port.default_distributed_backend(): that is used then.
+    """
+    import argparse
+
+    for name in ("megatron.training.arguments", "megatron.arguments"):
+        if not (tree / (name.replace(".", "/") + ".py")).is_file():
+            continue
+        try:
+            module = importlib.import_module(name)
+            parser = argparse.ArgumentParser(allow_abbrev=False)
+            module._add_distributed_args(parser)
+            value = parser.get_default("distributed_backend")
+            if value:
+                return str(value), f"{name.replace('.', '/')}.py --distributed-backend default"
+        except Exception:  # noqa: BLE001 - a training module this machine cannot import: next source
+            continue
+    config = tree / "megatron/training/config/common_config.py"
+    if config.is_file():
+        try:
+            module = importlib.import_module("megatron.training.config.common_config")
+            import dataclasses
+
+            for cls in vars(module).values():
+                if dataclasses.is_dataclass(cls):
+                    for f in dataclasses.fields(cls):
+                        if f.name == "distributed_backend" and f.default is not dataclasses.MISSING:
+                            return str(f.default), "megatron/training/config/common_config.py default"
+        except Exception:  # noqa: BLE001
+            pass
+    rocm_port, _ = import_first(ROCM_PORT_MODULES)
+    if rocm_port is not None and hasattr(rocm_port, "default_distributed_backend"):
+        return rocm_port.default_distributed_backend(), "rocm_port.default_distributed_backend() (no megatron/training here)"
+    return "nccl", "upstream's default (no rocm_port backend helper in this tree)"
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def env_with_paths(*paths: str | Path) -> dict:
+    """os.environ with ``paths`` first on PYTHONPATH (for the subprocesses the suite starts)."""
+    env = dict(os.environ)
+    parts = [str(p) for p in paths] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env

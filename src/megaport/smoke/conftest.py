@@ -1,0 +1,312 @@
+"""Options, fixtures, the import guard and the JSON results of the smoke suite.
+
+Run by ``megaport verify`` (see __init__.py); also runnable by hand:
+
+    python -m pytest -c $(python -c 'import megaport.smoke as s; print(s.SMOKE_DIR)')/pytest.ini \\
+        --rootdir <smoke dir> <smoke dir> --megaport-tree DIR [--megaport-device cpu]
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from megaport.smoke import _tree
+
+DEVICES = ("cpu", "cuda", "hip")
+
+
+@dataclass
+class Smoke:
+    """What every test needs to know about the run."""
+
+    tree: Path
+    device_kind: str
+    zero_fully_masked: bool
+    series: str
+    state: dict
+    stand_ins: Path
+    results: Path | None
+    facts: dict = field(default_factory=dict)
+
+    @property
+    def gpu(self) -> bool:
+        return self.device_kind != "cpu"
+
+    def torch_device(self):
+        import torch
+
+        return torch.device("cuda", 0) if self.gpu else torch.device("cpu")
+
+    def subprocess_env(self) -> dict:
+        return _tree.env_with_paths(self.tree, self.stand_ins)
+
+
+SMOKE_KEY = _tree.SMOKE_KEY
+RESULTS_KEY = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("megaport", "megaport verify")
+    group.addoption("--megaport-tree", metavar="DIR", help="the ported tree to test (its code is what runs)")
+    group.addoption("--megaport-device", choices=DEVICES, default="cpu", help="where tensors live")
+    group.addoption("--megaport-masked-rows", choices=("zero", "uniform"), default=None,
+                    help="the era's fully-masked-row semantics (the series' catalogue entry)")
+    group.addoption("--megaport-series", default=None, help="series name, for the report")
+    group.addoption("--megaport-results", metavar="FILE", default=None, help="write JSON results here")
+
+
+def _read_state(tree: Path) -> dict:
+    path = tree / ".git" / "megaport" / "state.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def pytest_configure(config):
+    if config.getoption("--megaport-tree") is None:
+        raise pytest.UsageError("the smoke suite needs --megaport-tree DIR (megaport verify passes it)")
+    tree = Path(config.getoption("--megaport-tree")).expanduser().resolve()
+    state = _read_state(tree)
+    rows = config.getoption("--megaport-masked-rows")
+    if rows is None:
+        rows = _masked_rows_from_catalogue(state.get("series"))
+    stand_ins = _tree.write_stand_ins(Path(tempfile.mkdtemp(prefix="megaport-stand-ins-")))
+    # The tree first, then the raising stand-ins, then everything installed.
+    for entry in (str(stand_ins), str(tree)):
+        if entry in sys.path:
+            sys.path.remove(entry)
+        sys.path.insert(0, entry)
+    results = config.getoption("--megaport-results")
+    smoke = Smoke(
+        tree=tree,
+        device_kind=config.getoption("--megaport-device"),
+        zero_fully_masked=rows == "zero",
+        series=config.getoption("--megaport-series") or state.get("series", "?"),
+        state=state,
+        stand_ins=stand_ins,
+        results=Path(results) if results else None,
+    )
+    config.stash[_tree.SMOKE_KEY] = smoke
+    config.stash[RESULTS_KEY] = {"tests": {}, "started": time.time(), "preloaded": _tree.blocked_modules_loaded()}
+
+
+def _masked_rows_from_catalogue(series: str | None) -> str:
+    from megaport.catalogue import load_catalogue
+
+    if not series:
+        raise pytest.UsageError("no --megaport-masked-rows and the tree records no series")
+    return load_catalogue().get(series).fully_masked_rows
+
+
+def pytest_unconfigure(config):
+    from megaport.smoke import _launch
+
+    _launch.stop_all()
+    smoke = config.stash.get(_tree.SMOKE_KEY, None)
+    if smoke is not None:
+        shutil.rmtree(smoke.stand_ins, ignore_errors=True)
+
+
+def pytest_report_header(config):
+    smoke = config.stash[_tree.SMOKE_KEY]
+    rows = "zero" if smoke.zero_fully_masked else "uniform"
+    return [f"megaport smoke: tree {smoke.tree}, device {smoke.device_kind}, series {smoke.series}, "
+            f"fully masked rows {rows}"]
+
+
+def pytest_collection_modifyitems(config, items):
+    smoke = config.stash[_tree.SMOKE_KEY]
+    if smoke.gpu:
+        return
+    for item in items:
+        marker = item.get_closest_marker("gpu_only")
+        if marker is not None:
+            reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else
+                                                     "a large case kept off the CPU run to keep it fast")
+            item.add_marker(pytest.mark.skip(reason=f"GPU only: {reason}"))
+
+
+def pytest_collection_finish(session):
+    """Start the 2-rank run now when its tests were collected: it imports while the rest runs."""
+    smoke = session.config.stash[_tree.SMOKE_KEY]
+    if session.config.option.collectonly:
+        return
+    if any(item.nodeid.startswith("test_distributed.py") and "[gloo]" in item.nodeid for item in session.items):
+        from megaport.smoke import _launch
+
+        _launch.start(smoke, "gloo", "cpu")
+
+
+@pytest.fixture(scope="session")
+def smoke(request) -> Smoke:
+    return request.config.stash[_tree.SMOKE_KEY]
+
+
+@pytest.fixture(scope="session")
+def torch_module():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="session")
+def device(smoke, torch_module):
+    return smoke.torch_device()
+
+
+@pytest.fixture(scope="session")
+def rocm_port(smoke):
+    module, reason = _tree.import_first(_tree.ROCM_PORT_MODULES)
+    if module is None:
+        pytest.fail(f"the tree has no rocm_port module ({reason}): the series did not apply")
+    return module
+
+
+@pytest.fixture(scope="session")
+def fused_softmax(smoke, rocm_port):
+    module, reason = _tree.import_first(_tree.FUSED_SOFTMAX_MODULES)
+    if module is None:
+        pytest.skip(f"no fused_softmax module in this tree ({reason})")
+    return module
+
+
+@pytest.fixture(scope="session")
+def process_group(smoke, torch_module, rocm_port):
+    """A one-rank process group with Megatron's model-parallel state at TP=1 (training, grad norm).
+
+    The backend comes from the tree: its --distributed-backend default through rocm_port's
+    resolution on GPUs (RCCL on ROCm), gloo on CPU.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        parallel_state = importlib.import_module("megatron.core.parallel_state")
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"no megatron.core.parallel_state in this tree ({exc})")
+    name, source = _tree.distributed_backend_default(smoke.tree)
+    chosen = name if smoke.gpu else "gloo"
+    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
+    backend = resolve(chosen) if resolve else chosen
+    smoke.facts["process_group"] = {"tree_default": name, "default_from": source, "chosen": chosen, "torch_backend": backend}
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store_dir = tempfile.mkdtemp(prefix="megaport-pg-")
+    if smoke.gpu:
+        torch_module.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield parallel_state
+    finally:
+        try:
+            parallel_state.destroy_model_parallel()
+        finally:
+            dist.destroy_process_group()
+            shutil.rmtree(store_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The guard: after every test, no blocked module may be in sys.modules.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    before = set(_tree.blocked_modules_loaded())
+    result = yield
+    loaded = sorted(set(_tree.blocked_modules_loaded()) - before)
+    if loaded:
+        pytest.fail(f"import guard: {', '.join(loaded)} got loaded during this test; "
+                    "the port must keep apex, amp_C and the *_cuda extensions out", pytrace=False)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: one entry per test, written as JSON at the end for megaport verify.
+# ---------------------------------------------------------------------------------------------
+
+
+def _message(report) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0][:500] if crash.message else ""
+    text = str(report.longrepr or "")
+    return text.strip().splitlines()[-1][:500] if text.strip() else ""
+
+
+def pytest_runtest_logreport(report):
+    config = _CONFIG.get("config")
+    if config is None:
+        return
+    tests = config.stash[RESULTS_KEY]["tests"]
+    entry = tests.setdefault(report.nodeid, {"name": report.nodeid, "outcome": "passed", "duration": 0.0})
+    entry["duration"] += report.duration
+    if report.when == "call":
+        if report.failed:
+            entry["outcome"] = "failed"
+            entry["message"] = _message(report)
+        elif report.skipped:
+            entry["outcome"] = "skipped"
+            entry["message"] = _message(report)
+    elif report.failed:
+        # setup/teardown failures are errors: the test could not run properly
+        if entry["outcome"] != "failed":
+            entry["outcome"] = "error"
+            entry["message"] = f"{report.when}: {_message(report)}"
+    elif report.skipped:
+        entry["outcome"] = "skipped"
+        entry["message"] = _message(report)
+
+
+_CONFIG: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _CONFIG["config"] = session.config
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    smoke = config.stash.get(_tree.SMOKE_KEY, None)
+    if smoke is None or smoke.results is None:
+        return
+    results = config.stash[RESULTS_KEY]
+    tests = list(results["tests"].values())
+    for entry in tests:
+        entry["duration"] = round(entry["duration"], 4)
+    summary = {"passed": 0, "failed": 0, "skipped": 0}
+    for entry in tests:
+        key = "failed" if entry["outcome"] in ("failed", "error") else entry["outcome"]
+        summary[key] = summary.get(key, 0) + 1
+    summary["errors"] = sum(1 for e in tests if e["outcome"] == "error")
+    summary["duration"] = round(time.time() - results["started"], 2)
+    from megaport.device import probe
+
+    device = probe()
+    device.update({
+        "device": smoke.device_kind,
+        "tree": str(smoke.tree),
+        "series": smoke.series,
+        "upstream_ref": smoke.state.get("upstream_ref"),
+        "upstream_sha": smoke.state.get("upstream_sha"),
+        "fully_masked_rows": "zero" if smoke.zero_fully_masked else "uniform",
+        "blocked_modules_preloaded": results["preloaded"],
+        **smoke.facts,
+    })
+    document = {"device": device, "tests": tests, "summary": summary, "pytest_exit": int(exitstatus)}
+    smoke.results.parent.mkdir(parents=True, exist_ok=True)
+    smoke.results.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,274 @@
+"""The apex substitutes the tree uses, against plain PyTorch references, on the verify device.
+
+What each era exposes differs, so every test finds its subject in the tree (rocm_port's
+FusedAdam/FusedSGD/amp_C/multi_tensor_applier/FusedLayerNormAffineFunction/
+fused_weight_gradient_mlp_cuda, megatron.core.optimizer's fallbacks, the FusedLayerNorm module)
+and skips with the reason when the tree has no such thing.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from megaport.smoke import _tree
+
+torch = pytest.importorskip("torch")
+
+
+def need(module, name, what=None):
+    value = getattr(module, name, None)
+    if value is None:
+        pytest.skip(f"{module.__name__} has no {name}{' (' + what + ')' if what else ''} in this era")
+    return value
+
+
+def tree_module(name):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            pytest.skip(f"{name} is not in this tree")
+        if exc.name and _tree.is_blocked(exc.name):
+            raise
+        pytest.skip(f"{name} needs {exc.name}, not installed here")
+
+
+def params_and_grads(device, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (13,), (3, 4, 2)]
+    params = [torch.randn(s, generator=gen).to(dtype).to(device) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(dtype).to(device) for s in shapes] for _ in range(3)]
+    return params, grads
+
+
+def run_steps(optimizer_cls, params, grads, **kwargs):
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = optimizer_cls(ps, **kwargs)
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in ps]
+
+
+def assert_same_params(got, want, what, atol=1e-6):
+    for i, (a, b) in enumerate(zip(got, want)):
+        err = (a.double() - b.double()).abs().max().item()
+        assert err <= atol, f"{what}: parameter {i} differs from plain PyTorch by {err:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rocm_port_fused_adam_is_adamw(rocm_port, device):
+    fused_adam = need(rocm_port, "FusedAdam", "apex.optimizers.FusedAdam stand-in")
+    params, grads = params_and_grads(device)
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    # apex-only arguments that upstream passes must be accepted
+    got = run_steps(fused_adam, params, grads, bias_correction=True, adam_w_mode=True, set_grad_none=True, **kwargs)
+    want = run_steps(torch.optim.AdamW, params, grads, **kwargs)
+    assert_same_params(got, want, "rocm_port.FusedAdam vs torch.optim.AdamW")
+
+
+def test_rocm_port_fused_sgd_is_sgd(rocm_port, device):
+    fused_sgd = need(rocm_port, "FusedSGD", "apex.optimizers.FusedSGD stand-in")
+    params, grads = params_and_grads(device, seed=1)
+    kwargs = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+    got = run_steps(fused_sgd, params, grads, wd_after_momentum=False, **kwargs)
+    want = run_steps(torch.optim.SGD, params, grads, **kwargs)
+    assert_same_params(got, want, "rocm_port.FusedSGD vs torch.optim.SGD")
+
+
+def test_megatron_core_optimizer_fallback_matches_adamw(smoke, device):
+    """megatron.core.optimizer's Adam (TE → apex → torch fallback) is apex-free and steps like AdamW."""
+    module = tree_module("megatron.core.optimizer")
+    adam = need(module, "Adam")
+    origin = getattr(adam, "__module__", "") or ""
+    assert not origin.startswith("apex"), f"megatron.core.optimizer.Adam is apex's ({origin})"
+    params, grads = params_and_grads(device, seed=2)
+    kwargs = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    got = run_steps(adam, params, grads, **kwargs)
+    want = run_steps(torch.optim.AdamW, params, grads, **kwargs)
+    assert_same_params(got, want, f"megatron.core.optimizer.Adam ({origin}) vs torch.optim.AdamW", atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grad-norm and grad-scale helpers (amp_C and multi_tensor_applier)
+# ---------------------------------------------------------------------------------------------
+
+
+IMPLEMENTATIONS = ["rocm_port.amp_C", "clip_grads"]
+
+
+def multi_tensor_helpers(which, rocm_port):
+    """(applier, l2norm, scale) of rocm_port's amp_C stand-in or of what clip_grads bound."""
+    if which == "rocm_port.amp_C":
+        amp_c = need(rocm_port, "amp_C", "apex amp_C stand-in")
+        return need(rocm_port, "multi_tensor_applier"), amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
+    clip = tree_module("megatron.core.optimizer.clip_grads")
+    return (need(clip, "multi_tensor_applier"), need(clip, "l2_norm_impl"), need(clip, "multi_tensor_scale_impl"))
+
+
+def call_or_skip_cuda_only(smoke, fn, *args):
+    """Upstream helpers that allocate on 'cuda' cannot run on a CPU: skip, naming the line."""
+    try:
+        return fn(*args)
+    except (AssertionError, RuntimeError) as exc:
+        reason = _tree.cuda_only_reason(exc, smoke.tree)
+        if reason and not smoke.gpu:
+            pytest.skip(reason)
+        raise
+
+
+@pytest.mark.parametrize("which", IMPLEMENTATIONS)
+def test_grad_norm_helper_matches_torch(smoke, rocm_port, device, which):
+    applier, l2norm, _ = multi_tensor_helpers(which, rocm_port)
+    label = f"{which} ({getattr(l2norm, '__module__', '?')}.{getattr(l2norm, '__name__', '?')})"
+    origin = getattr(l2norm, "__module__", "") or ""
+    assert not _tree.is_blocked(origin), f"{label} comes from {origin}"
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(s, generator=gen).to(device) for s in ((64, 3), (17,), (5, 5, 5))]
+    tensors.append(torch.randn(33, generator=gen).to(torch.bfloat16).to(device))
+    want_total = torch.stack([t.double().norm() for t in tensors]).norm().item()
+    flag = torch.zeros(1, dtype=torch.int, device=device)
+    total, per_tensor = call_or_skip_cuda_only(smoke, applier, l2norm, flag, [tensors], True)
+    got = float(total.reshape(-1)[0])
+    assert abs(got - want_total) <= 1e-5 * want_total, f"{label}: l2 norm {got} vs torch {want_total}"
+    want_each = torch.stack([t.double().norm() for t in tensors]).cpu()
+    assert torch.allclose(per_tensor.double().cpu().reshape(-1), want_each, rtol=1e-5), f"{label}: per-tensor norms"
+    assert int(flag.item()) == 0, f"{label}: finite norms raised the overflow flag"
+
+
+@pytest.mark.parametrize("which", IMPLEMENTATIONS)
+def test_grad_scale_helper_matches_torch(smoke, rocm_port, device, which):
+    applier, _, scale_op = multi_tensor_helpers(which, rocm_port)
+    gen = torch.Generator().manual_seed(4)
+    src = [torch.randn(s, generator=gen).to(device) for s in ((9, 4), (31,))]
+    dst = [torch.empty_like(t) for t in src]
+    flag = torch.zeros(1, dtype=torch.int, device=device)
+    call_or_skip_cuda_only(smoke, applier, scale_op, flag, [src, dst], 0.25)
+    for s, d in zip(src, dst):
+        assert torch.allclose(d, s * 0.25, rtol=1e-6, atol=0), f"{which}: multi_tensor_scale result"
+    assert int(flag.item()) == 0, f"{which}: finite values raised the overflow flag"
+    if which == "rocm_port.amp_C":
+        # apex's amp_C raises the flag on non-finite values; upstream's local fallback does not
+        # (Megatron checks for inf/nan separately then).
+        bad = [torch.tensor([1.0, float("inf")], device=device)]
+        flag.zero_()
+        applier(scale_op, flag, [bad, [torch.empty_like(bad[0])]], 1.0)
+        assert int(flag.item()) != 0, f"{which}: an inf gradient did not raise the overflow flag"
+
+
+def test_megatron_grad_norm_fp32(smoke, device, process_group):
+    """clip_grads.get_grad_norm_fp32 (upstream's own, through the fallbacks) against torch."""
+    clip = tree_module("megatron.core.optimizer.clip_grads")
+    fn = need(clip, "get_grad_norm_fp32")
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(s, generator=gen).to(device) for s in ((10, 3), (7,))]
+    want = torch.stack([g.double().norm() for g in grads]).norm().item()
+    got = float(call_or_skip_cuda_only(smoke, fn, grads, 2))
+    assert abs(got - want) <= 1e-5 * want, f"get_grad_norm_fp32 {got} vs torch {want}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer norm
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype_id", ["fp32", "bf16"])
+def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtype_id):
+    """The FusedLayerNormAffineFunction the tree's fused_layer_norm module uses (fwd and bwd)."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_id]
+    module, _ = _tree.import_first(("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
+                                    "megatron.legacy.model.fused_layer_norm"))
+    fn = getattr(module, "FusedLayerNormAffineFunction", None) if module else None
+    fn = fn or need(rocm_port, "FusedLayerNormAffineFunction")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 6, 32, generator=gen).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(32, generator=gen)).to(dtype).to(device)
+    b = (0.1 * torch.randn(32, generator=gen)).to(dtype).to(device)
+    g = torch.randn(4, 6, 32, generator=gen).to(dtype).to(device)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = fn.apply(leaves[0], leaves[1], leaves[2], (32,), 1e-5)
+    y.backward(g)
+    refs = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y_ref = torch.nn.functional.layer_norm(refs[0], (32,), refs[1], refs[2], 1e-5)
+    y_ref.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert y.dtype == dtype
+    assert torch.allclose(y.float(), y_ref.float(), atol=tol), "layer norm forward"
+    for name, a, r in zip(("input", "weight", "bias"), leaves, refs):
+        assert torch.allclose(a.grad.float(), r.grad.float(), atol=tol * 10, rtol=tol), f"layer norm grad of {name}"
+
+
+def test_fused_layer_norm_module_matches_torch(smoke, device):
+    """megatron.core.fusions.fused_layer_norm.FusedLayerNorm builds without apex and matches LayerNorm."""
+    module = tree_module("megatron.core.fusions.fused_layer_norm")
+    cls = need(module, "FusedLayerNorm")
+    tc = tree_module("megatron.core.transformer.transformer_config")
+    config = tc.TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    try:
+        layer = cls(config=config, hidden_size=32, eps=1e-5).to(device)
+    except ValueError as exc:
+        pytest.fail(f"FusedLayerNorm needs apex in this tree: {exc}", pytrace=False)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-0.1, 0.1)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 2, 32, generator=gen).to(device).requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    y = layer(x)
+    y_ref = torch.nn.functional.layer_norm(xr, (32,), layer.weight.detach(), layer.bias.detach(), 1e-5)
+    assert torch.allclose(y, y_ref, atol=1e-5)
+    y.sum().backward()
+    y_ref.sum().backward()
+    assert torch.allclose(x.grad, xr.grad, atol=1e-5)
+
+
+def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
+    """Old eras call apex's fused_mix_prec_layer_norm_cuda.forward_affine/backward_affine directly."""
+    ext = need(rocm_port, "fused_mix_prec_layer_norm_cuda")
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 16, generator=gen, dtype=torch.float64).to(device)
+    w = torch.randn(16, generator=gen, dtype=torch.float64).to(device)
+    b = torch.randn(16, generator=gen, dtype=torch.float64).to(device)
+    g = torch.randn(6, 16, generator=gen, dtype=torch.float64).to(device)
+    out, mean, invvar = ext.forward_affine(x, (16,), w, b, 1e-5)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y_ref = torch.nn.functional.layer_norm(leaves[0], (16,), leaves[1], leaves[2], 1e-5)
+    y_ref.backward(g)
+    assert torch.allclose(out, y_ref.detach(), atol=1e-10)
+    gi, gw, gb = ext.backward_affine(g, mean, invvar, x, (16,), w, b, 1e-5)
+    for name, a, r in zip(("input", "weight", "bias"), (gi, gw, gb), leaves):
+        assert torch.allclose(a, r.grad, atol=1e-10), f"backward_affine grad of {name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient-accumulation fusion
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("main_grad_dtype", ["fp32", "bf16"])
+def test_weight_gradient_accumulation_matches_matmul(smoke, device, main_grad_dtype):
+    """The wgrad_gemm_accum functions tensor_parallel/layers.py calls: main_grad += g^T x."""
+    layers = tree_module("megatron.core.tensor_parallel.layers")
+    ext = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
+    if ext is None or not getattr(layers, "_grad_accum_fusion_available", True):
+        pytest.fail("tensor_parallel.layers has no gradient-accumulation fusion: "
+                    "the default --gradient-accumulation-fusion would raise", pytrace=False)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[main_grad_dtype]
+    fn = ext.wgrad_gemm_accum_fp32 if dtype == torch.float32 else ext.wgrad_gemm_accum_fp16
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 4, 12, generator=gen).to(dtype).to(device)
+    g = torch.randn(3, 4, 10, generator=gen).to(dtype).to(device)
+    main_grad = torch.zeros(10, 12, dtype=dtype, device=device)
+    fn(x, g, main_grad)
+    fn(x, g, main_grad)
+    want = 2 * g.reshape(-1, 10).double().t() @ x.reshape(-1, 12).double()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert (main_grad.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item()), (
+        "gradient accumulation: main_grad != sum of grad_output^T @ input")
