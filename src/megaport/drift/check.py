@@ -27,6 +27,7 @@ from typing import Callable, Optional
 from megaport.catalogue import PatchFile, Series
 from megaport.engine import FilePatch, Hunk, HunkResult, Patch, apply_patch, check_patch_paths, parse_patch
 from megaport.engine.apply import patch_text, reverse_patch
+from megaport.engine.blob import git_blob_id
 from megaport.engine.text import decode, encode
 
 from .merge import merge3
@@ -94,8 +95,10 @@ def check_series(
     preimage: Preimages = lambda oid: None,
     locate_moved: Locator = lambda path, pre: (None, "file does not exist"),
     max_fuzz: int = 2,
+    memo: Optional[dict] = None,
 ) -> SeriesDrift:
-    """Check every patch of ``loaded`` on ``tree`` (``read``/``exists``)."""
+    """Check every patch of ``loaded`` on ``tree`` (``read``/``exists``). ``memo`` (a dict kept
+    across calls) reuses a patch's result on refs where the files it touches are the same."""
     from megaport.plan import _skip_reason  # the same rule apply uses
 
     overlay: dict[str, Optional[bytes]] = {}
@@ -111,7 +114,9 @@ def check_series(
                 PatchDrift(item.file.name, item.patch.subject, item.file.path, SKIPPED, (), reason=skip)
             )
             continue
-        drift, writes = check_patch(item, read, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz)
+        drift, writes = check_patch(
+            item, read, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz, memo=memo
+        )
         overlay.update(writes)
         results.append(drift)
     return SeriesDrift(ref, sha, loaded.series.name, tuple(results), reason, series_dir=loaded.series.directory)
@@ -124,6 +129,7 @@ def check_patch(
     preimage: Preimages = lambda oid: None,
     locate_moved: Locator = lambda path, pre: (None, "file does not exist"),
     max_fuzz: int = 2,
+    memo: Optional[dict] = None,
 ) -> tuple[PatchDrift, dict[str, Optional[bytes]]]:
     """One patch on the files ``read`` returns, and what the next patch should see.
 
@@ -134,6 +140,21 @@ def check_patch(
     patch = item.patch
     touched = sorted({p for f in patch.files for p in (f.old_path, f.new_path) if p})
     before = {path: read(path) for path in touched}
+    key = None
+    if memo is not None:
+        # The result depends only on the patch and the bytes of the files it touches; a result
+        # with missing files also on the commit (where did they go?), so those are not kept.
+        key = (id(item), max_fuzz, tuple((p, None if c is None else git_blob_id(c)) for p, c in before.items()))
+        if key in memo:
+            return memo[key]
+    found = _check_patch(item, read, before, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz)
+    if key is not None and found[0].status != MISSING and not any(h.status == MISSING for h in found[0].hunks):
+        memo[key] = found
+    return found
+
+
+def _check_patch(item, read, before, *, preimage, locate_moved, max_fuzz):
+    patch = item.patch
     result = apply_patch(patch, read, max_fuzz=max_fuzz)
     hunks: list[HunkDrift] = []
     writes: dict[str, Optional[bytes]] = {}

@@ -31,7 +31,10 @@ class MoveFinder:
         self.objects = objects
         self.bases = list(dict.fromkeys(bases))
         self._renames: dict[tuple[str, str], dict[str, Optional[str]]] = {}
-        self._files: dict[str, list[str]] = {}
+        self._files: dict[str, dict[str, list[str]]] = {}
+        self._holding: dict[str, list[tuple[str, str]]] = {}
+        self._located: dict[tuple[str, str, Optional[str]], tuple[Optional[str], str]] = {}
+        self._ratios: dict[tuple[str, Optional[str]], float] = {}
 
     def finder(self, sha: str):
         """A ``locate_moved(path, preimage)`` callable for ``check_series`` on ``sha``."""
@@ -43,36 +46,45 @@ class MoveFinder:
 
     def locate(self, sha: str, path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
         """``(new path or None, what happened)`` for ``path``, absent from ``sha``."""
-        base = self._base_holding(path, preimage, sha)
+        wanted = git_blob_id(preimage) if preimage is not None else None
+        key = (sha, path, wanted)
+        if key not in self._located:
+            self._located[key] = self._locate(sha, path, preimage, wanted)
+        return self._located[key]
+
+    def _locate(
+        self, sha: str, path: str, preimage: Optional[bytes], wanted: Optional[str]
+    ) -> tuple[Optional[str], str]:
+        base = self._base_holding(path, wanted, sha)
         if base is not None:
             renames = self._rename_map(base, sha)
             if path in renames:
                 new = renames[path]
                 if new is not None:
                     return new, f"file was renamed to {new} (git rename detection from {base[:12]})"
-                found = self._same_name(sha, path, preimage)
+                found = self._same_name(sha, path, preimage, wanted)
                 if found:
                     return found[0], f"file was deleted; {_similar(*found)}"
                 return None, "file was deleted upstream"
-        found = self._same_name(sha, path, preimage)
+        found = self._same_name(sha, path, preimage, wanted)
         if found:
             return found[0], f"file is gone; {_similar(*found)}"
         return None, "file does not exist upstream"
 
-    def _base_holding(self, path: str, preimage: Optional[bytes], sha: str) -> Optional[str]:
-        """A commit that has ``path``, best one whose blob is the preimage."""
-        wanted = git_blob_id(preimage) if preimage is not None else None
-        holding = []
-        for base in self.bases:
-            if base == sha:
-                continue
-            found = self.objects.get(f"{base}:{path}")
-            if found is None or found[0] != "blob":
-                continue
-            if wanted is not None and found[1] == wanted:
-                return base
-            holding.append(base)
-        return holding[0] if holding else None
+    def _base_holding(self, path: str, wanted: Optional[str], sha: str) -> Optional[str]:
+        """A commit other than ``sha`` that has ``path``, best one whose blob is the preimage."""
+        if path not in self._holding:
+            held = []
+            for base in self.bases:
+                found = self.objects.get(f"{base}:{path}")
+                if found is not None and found[0] == "blob":
+                    held.append((base, found[1]))
+            self._holding[path] = held
+        holding = [(base, blob) for base, blob in self._holding[path] if base != sha]
+        exact = [base for base, blob in holding if wanted is not None and blob == wanted]
+        if exact:
+            return exact[0]
+        return holding[0][0] if holding else None
 
     def _rename_map(self, base: str, sha: str) -> dict[str, Optional[str]]:
         """Old path -> new path (renamed) or None (deleted), from base to sha."""
@@ -97,33 +109,39 @@ class MoveFinder:
         return self._renames[key]
 
     def _same_name(
-        self, sha: str, path: str, preimage: Optional[bytes]
+        self, sha: str, path: str, preimage: Optional[bytes], wanted: Optional[str]
     ) -> Optional[tuple[str, Optional[float]]]:
         """The most similar file of ``sha`` with the same name (without a preimage to compare
         with: the only one), and how similar it is."""
         if sha not in self._files:
-            self._files[sha] = list_files(self.repo, sha)
-        name = posixpath.basename(path)
-        candidates = [p for p in self._files[sha] if posixpath.basename(p) == name and p != path]
+            by_name: dict[str, list[str]] = {}
+            for candidate in list_files(self.repo, sha):
+                by_name.setdefault(posixpath.basename(candidate), []).append(candidate)
+            self._files[sha] = by_name
+        candidates = [p for p in self._files[sha].get(posixpath.basename(path), []) if p != path]
         if not candidates or preimage is None:
             return (candidates[0], None) if len(candidates) == 1 and preimage is None else None
-        wanted = preimage.decode("utf-8", "replace").splitlines()
         scored = []
         for candidate in candidates:
-            data = self.objects.get(f"{sha}:{candidate}")
-            if data is None or data[0] != "blob":
+            found = self.objects.get(f"{sha}:{candidate}")
+            if found is None or found[0] != "blob":
                 continue
-            lines = data[2].decode("utf-8", "replace").splitlines()
-            matcher = difflib.SequenceMatcher(None, wanted, lines, autojunk=False)
-            ratio = matcher.quick_ratio()
-            if ratio >= MIN_SIMILARITY:
-                ratio = matcher.ratio()
-            scored.append((ratio, -abs(len(candidate) - len(path)), candidate))
+            key = (found[1], wanted)
+            if key not in self._ratios:
+                self._ratios[key] = _ratio(preimage, found[2])
+            scored.append((self._ratios[key], -abs(len(candidate) - len(path)), candidate))
         if not scored:
             return None
         ratio, _, best = max(scored)
         return (best, ratio) if ratio >= MIN_SIMILARITY else None
 
+
+def _ratio(preimage: bytes, data: bytes) -> float:
+    """How alike two files are, by lines (difflib; 0..1)."""
+    wanted = preimage.decode("utf-8", "replace").splitlines()
+    lines = data.decode("utf-8", "replace").splitlines()
+    matcher = difflib.SequenceMatcher(None, wanted, lines, autojunk=False)
+    return matcher.ratio() if matcher.quick_ratio() >= MIN_SIMILARITY else matcher.quick_ratio()
 
 def _similar(path: str, ratio: Optional[float]) -> str:
     if ratio is None:

@@ -74,6 +74,7 @@ class DriftSession:
         self.max_fuzz = max_fuzz
         self._loaded: dict[str, LoadedSeries] = {}
         self._fetched_for: set[str] = set()
+        self._memo: dict = {}
         tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
         bases = [sha for sha in dict.fromkeys(tested) if self._has_commit(sha)]
         self.moves = MoveFinder(repo, objects, bases + [t.sha for t in targets])
@@ -114,6 +115,7 @@ class DriftSession:
         return check_series(
             self.loaded(series), tree, ref=target.ref, sha=target.sha, reason=reason,
             preimage=self.preimages(series), locate_moved=self.moves.finder(target.sha), max_fuzz=self.max_fuzz,
+            memo=self._memo,
         )
 
     def preimages(self, series: Series) -> Callable[[Optional[str]], Optional[bytes]]:
