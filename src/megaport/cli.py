@@ -275,5 +275,79 @@ def lint(patches, fmt):
     return run_lint(_console(), patches=str(patches) if patches else None, fmt=fmt)
 
 
+@main.command()
+@click.argument("tree", type=click.Path(path_type=Path, file_okay=False), default=Path("."), required=False)
+@click.option("--device", type=click.Choice(["auto", "hip", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Where the tests run; auto picks the GPU when torch sees one.")
+@click.option("--json", "json_file", metavar="FILE", help="Also write device, tests and summary as JSON ('-' for stdout).")
+@click.option("--junit", "junit_file", metavar="FILE", help="Also write a JUnit XML report (pytest's --junitxml).")
+@click.option("-k", "keyword", metavar="EXPR", help="Run only the tests matching EXPR (pytest's -k).")
+@click.option("--patches", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar="MEGAPORT_PATCHES",
+              help="Catalogue that holds the tree's series [env: MEGAPORT_PATCHES].")
+@handle_errors
+def verify(tree, device, json_file, junit_file, keyword, patches):
+    """Run the smoke suite against a ported TREE's own code (default: current directory).
+
+    \b
+    Imports of every touched module (no apex, amp_C or *_cuda), the fused softmax and
+    the apex substitutes against fp64/PyTorch references with the era's semantics,
+    two ranks with the tree's backend (RCCL on ROCm, gloo on CPU) and TP=2 layers,
+    and a few steps of a tiny GPT. Runs under pytest in a fresh process.
+
+    Exit 0 when every test that ran passed, 1 when any failed, 2 for usage or
+    environment problems (not a ported tree, no torch, no such device).
+    """
+    from megaport.commands.verify import VerifyOptions
+    from megaport.commands.verify import verify as run_verify
+
+    options = VerifyOptions(tree=tree, device=device, json_file=json_file, junit_file=junit_file, keyword=keyword,
+                            patches=str(patches) if patches else None)
+    return run_verify(options, _console(json_file))
+
+
+@main.command()
+@click.option("--json", "json_file", metavar="FILE", help="Also write the findings as JSON ('-' for stdout).")
+@handle_errors
+def doctor(json_file):
+    """Check this machine for running ported Megatron: ROCm/HIP, torch, GPUs, RCCL, environment.
+
+    Lists versions, gfx arch and the variables that matter on ROCm, and warns about
+    known-bad settings, each with what to do. Exit 1 when a finding is an error
+    (e.g. no torch, or a CUDA build of torch on a ROCm machine), else 0.
+    """
+    from megaport.commands.doctor import doctor as run_doctor
+
+    return run_doctor(_console(json_file), json_file=json_file)
+
+
+@main.command()
+@click.argument("tree", type=click.Path(path_type=Path, file_okay=False), default=Path("."), required=False)
+@click.option("--device", type=click.Choice(["auto", "hip", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--shape", default="1,16,1024,1024", show_default=True, metavar="B,NP,SQ,SK",
+              help="Attention scores shape [b, np, sq, sk] (three numbers: [b*np, sq, sk]).")
+@click.option("--dtype", "dtypes", default="bf16,fp32", show_default=True, metavar="LIST",
+              help="Comma-separated: bf16, fp16, fp32.")
+@click.option("--causal", "mask_kind", flag_value="causal", default=True, help="Causal mask (default).")
+@click.option("--mask", "mask_kind", flag_value="padding", help="Padding mask ([b, 1, sq, sk], 10%% masked).")
+@click.option("--none", "mask_kind", flag_value="none", help="No mask.")
+@click.option("--repeats", type=click.IntRange(1, 10000), default=15, show_default=True,
+              help="Timed fwd+bwd runs per variant (interleaved); medians are reported.")
+@click.option("--json", "json_file", metavar="FILE", help="Also write the measurements as JSON ('-' for stdout).")
+@handle_errors
+def bench(tree, device, shape, dtypes, mask_kind, repeats, json_file):
+    """Time the tree's replacement softmax against upstream's torch fallback.
+
+    Both from the TREE's own FusedScaleMaskSoftmax: its fused path (the port's
+    replacement) and forward_torch_softmax (upstream's fallback), forward + backward,
+    medians over interleaved runs, and peak memory of each. Measures; never asserts.
+    """
+    from megaport.commands.bench import BenchOptions
+    from megaport.commands.bench import bench as run_bench
+
+    options = BenchOptions(tree=tree, device=device, shape=shape, dtypes=dtypes, mask=mask_kind, repeats=repeats,
+                           json_file=json_file)
+    return run_bench(options, _console(json_file))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

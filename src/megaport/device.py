@@ -162,6 +162,10 @@ def probe() -> dict:
         })
     if info["build"] != "cpu":
         info["collective"] = _collective(torch)
+        try:
+            info["arch_list"] = list(torch.cuda.get_arch_list())
+        except Exception:  # noqa: BLE001
+            info["arch_list"] = None
     try:
         import torch.distributed as dist
 

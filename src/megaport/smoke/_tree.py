@@ -14,10 +14,13 @@ import sys
 import traceback
 from pathlib import Path
 
-import pytest
+try:
+    import pytest
 
-# Where conftest keeps the run's settings (a Smoke object) on the pytest config.
-SMOKE_KEY = pytest.StashKey()
+    # Where conftest keeps the run's settings (a Smoke object) on the pytest config.
+    SMOKE_KEY = pytest.StashKey()
+except ImportError:  # the bench worker uses this module without pytest
+    SMOKE_KEY = None
 
 # What the port must keep out of the process: apex, amp_C and every fused "*_cuda" extension.
 BLOCKED_EXACT = ("apex", "amp_C")

@@ -1,0 +1,211 @@
+"""``megaport bench``: the tree's replacement softmax against upstream's own torch fallback.
+
+Both variants are the tree's FusedScaleMaskSoftmax: ``forward_fused_softmax`` (what the port's
+replacement functions run) and ``forward_torch_softmax`` (upstream's fallback path), forward and
+backward, on the device, in a fresh process with the tree first on the path (smoke/_bench.py).
+Times are medians of interleaved runs (the order alternates each round). Peak memory: on GPUs
+torch.cuda.max_memory_allocated; on CPU each variant runs once more in its own process and the
+rise of its peak resident set is reported. The bench measures; it never asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaport import device as devices
+from megaport.commands.verify import ported_tree, require_torch, resolve_device, subprocess_env
+from megaport.errors import MegaportError
+from megaport.report import write_json
+
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+WORKER_TIMEOUT = 1800
+
+
+@dataclass
+class BenchOptions:
+    tree: Path
+    device: str = "auto"
+    shape: str = "1,16,1024,1024"
+    dtypes: str = "bf16,fp32"
+    mask: str = "causal"
+    repeats: int = 15
+    warmup: int = 2
+    json_file: str | None = None
+    python: str | None = None
+    memory: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        dims = [int(p) for p in text.replace(" ", "").split(",") if p]
+    except ValueError:
+        dims = []
+    if len(dims) == 3:
+        dims = [1, *dims]
+    if len(dims) != 4 or min(dims) < 1:
+        raise MegaportError(f"--shape {text!r}: give b,np,sq,sk (or b*np,sq,sk) as positive integers", exit_code=2)
+    return tuple(dims)
+
+
+def parse_dtypes(text: str) -> list[str]:
+    names = [p.strip().lower() for p in text.split(",") if p.strip()]
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+    names = [aliases.get(n, n) for n in names]
+    bad = [n for n in names if n not in DTYPE_NAMES]
+    if bad or not names:
+        raise MegaportError(f"--dtype {text!r}: choose from {', '.join(DTYPE_NAMES)}", exit_code=2)
+    return list(dict.fromkeys(names))
+
+
+def _worker() -> Path:
+    from megaport.smoke import SMOKE_DIR
+
+    return SMOKE_DIR / "_bench.py"
+
+
+def _command(python: str, tree: Path, kind: str, shape: str, dtype: str, mask: str, *extra: str) -> list[str]:
+    return [python, "-W", "ignore", str(_worker()), "--tree", str(tree), "--device", kind, "--shape", shape,
+            "--dtype", dtype, "--mask", mask, *extra]
+
+
+def _parse(proc_stdout: str, stderr: str, what: str) -> dict:
+    for line in reversed(proc_stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = "; ".join((stderr or proc_stdout).strip().splitlines()[-3:])
+    raise MegaportError(f"bench worker ({what}) failed: {tail or 'no output'}")
+
+
+def _run(command: list[str], env: dict, cwd: Path, what: str) -> dict:
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(cwd), timeout=WORKER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise MegaportError(f"bench worker ({what}) ran longer than {WORKER_TIMEOUT} s") from None
+    return _parse(proc.stdout, proc.stderr, what)
+
+
+def _memory_pair(python, tree, kind, shape_text, dtype, mask, env) -> dict:
+    """Each variant once in its own process, both at the same time (memory is per process)."""
+    menv = dict(env)
+    # Large blocks straight from mmap, returned to the system when freed: the resident set then
+    # follows what the variant really holds.
+    menv.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    procs = {}
+    for variant in ("fused", "torch"):
+        procs[variant] = subprocess.Popen(
+            _command(python, tree, kind, shape_text, dtype, mask, "--mode", "memory", "--variant", variant),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=menv, cwd=str(tree))
+    out = {}
+    for variant, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=WORKER_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise MegaportError(f"bench memory run ({variant}, {dtype}) ran longer than {WORKER_TIMEOUT} s") from None
+        out[variant] = _parse(stdout, stderr, f"memory {variant} {dtype}")
+    return out
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def bench(options: BenchOptions, console) -> int:
+    python = options.python or sys.executable
+    tree, state = ported_tree(options.tree)
+    b, np_, sq, sk = parse_shape(options.shape)
+    dtypes = parse_dtypes(options.dtypes)
+    if options.mask == "causal" and sq != sk:
+        raise MegaportError(f"--causal needs sq == sk (got sq={sq}, sk={sk}); use --mask or --none", exit_code=2)
+    info = devices.probe_subprocess(python)
+    require_torch(info, python)
+    kind = resolve_device(options.device, info)
+    env = subprocess_env(tree)
+    shape_text = f"{b},{np_},{sq},{sk}"
+    console.print(f"bench {tree} ({state.series}, {state.upstream_ref}) on {kind}: [{shape_text}] {options.mask}, "
+                  f"{options.repeats} interleaved fwd+bwd runs per variant")
+    load_before = _load()
+    rows = []
+    memory_method = None
+    for dtype in dtypes:
+        timing = _run(_command(python, tree, kind, shape_text, dtype, options.mask, "--mode", "time",
+                               "--repeats", str(options.repeats), "--warmup", str(options.warmup)),
+                      env, tree, f"time {dtype}")
+        peak = timing.get("peak_mib")
+        memory_method = timing.get("memory_method") or memory_method
+        if peak is None and options.memory:
+            pair = _memory_pair(python, tree, kind, shape_text, dtype, options.mask, env)
+            peak = {variant: result["peak_mib"] for variant, result in pair.items()}
+            memory_method = pair["fused"]["memory_method"]
+        fused_ms, torch_ms = timing["ms"]["fused"], timing["ms"]["torch"]
+        row = {
+            "dtype": dtype,
+            "replacement_ms": round(fused_ms, 3),
+            "upstream_torch_ms": round(torch_ms, 3),
+            "time_ratio": round(fused_ms / torch_ms, 3) if torch_ms else None,
+            "replacement_min_ms": round(min(timing["samples_ms"]["fused"]), 3),
+            "upstream_torch_min_ms": round(min(timing["samples_ms"]["torch"]), 3),
+            "samples_ms": {k: [round(v, 3) for v in vs] for k, vs in timing["samples_ms"].items()},
+            "threads": timing.get("threads"),
+        }
+        if peak:
+            row["replacement_peak_mib"] = round(peak["fused"], 1) if peak.get("fused") is not None else None
+            row["upstream_torch_peak_mib"] = round(peak["torch"], 1) if peak.get("torch") is not None else None
+            if row["replacement_peak_mib"] is not None and row["upstream_torch_peak_mib"]:
+                row["memory_ratio"] = round(row["replacement_peak_mib"] / row["upstream_torch_peak_mib"], 3)
+        rows.append(row)
+    load_after = _load()
+    document = {
+        "tree": str(tree),
+        "series": state.series,
+        "upstream": {"ref": state.upstream_ref, "sha": state.upstream_sha},
+        "device": {**info, "device": kind},
+        "shape": [b, np_, sq, sk],
+        "mask": options.mask,
+        "repeats": options.repeats,
+        "warmup": options.warmup,
+        "variants": {
+            "replacement": "FusedScaleMaskSoftmax.forward_fused_softmax (the port's replacement functions)",
+            "upstream_torch": "FusedScaleMaskSoftmax.forward_torch_softmax (upstream's fallback)"
+                              + (", causal mask precomputed and not timed" if options.mask == "causal" else ""),
+        },
+        "memory_method": memory_method,
+        "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
+        "results": rows,
+    }
+    _table(console, document)
+    write_json(options.json_file, document)
+    return 0
+
+
+def _table(console, document: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"fwd+bwd, median of {document['repeats']} interleaved runs", title_justify="left")
+    for column in ("dtype", "replacement ms", "upstream torch ms", "time ratio", "replacement peak MiB",
+                   "upstream peak MiB", "memory ratio"):
+        table.add_column(column, justify="left" if column == "dtype" else "right")
+
+    def fmt(value, spec="{:.2f}"):
+        return "-" if value is None else spec.format(value)
+
+    for row in document["results"]:
+        table.add_row(row["dtype"], fmt(row["replacement_ms"]), fmt(row["upstream_torch_ms"]),
+                      fmt(row["time_ratio"], "{:.2f}x"), fmt(row.get("replacement_peak_mib"), "{:.1f}"),
+                      fmt(row.get("upstream_torch_peak_mib"), "{:.1f}"), fmt(row.get("memory_ratio"), "{:.2f}x"))
+    console.print(table)
+    load = document["load_average"]
+    console.print(f"replacement: {document['variants']['replacement']}")
+    console.print(f"upstream torch: {document['variants']['upstream_torch']}")
+    console.print(f"peak memory: {document['memory_method'] or 'not measured'}")
+    console.print(f"load average before/after: {load['before']} / {load['after']} on {load['cpus']} CPUs "
+                  f"(torch threads: {document['results'][0].get('threads') if document['results'] else '?'})")

@@ -1,0 +1,219 @@
+"""``megaport doctor``: is this machine ready to run ported Megatron, and what to change if not.
+
+Versions (ROCm, HIP, torch, RCCL/NCCL), GPUs with their gfx arch, the environment variables that
+matter on ROCm, and findings for known-bad settings, each with what to do. Findings come from
+``diagnose()``, a pure function of the probe (megaport.device) and the environment, so every
+rule is tested without the hardware it is about. Only well-founded rules live here; each names
+its source in a comment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megaport import device as devices
+from megaport.report import write_json
+
+ENV_PREFIXES = ("HIP_", "ROCR_", "ROCM_", "HSA_", "NCCL_", "RCCL_", "TORCH_NCCL_", "GPU_MAX_HW_QUEUES")
+ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_ROCM_ARCH")
+# AMD Instinct GPUs whose GPUs talk over xGMI links (MI200: gfx90a, MI300: gfx942, MI350: gfx950).
+XGMI_ARCHS = ("gfx90a", "gfx942", "gfx950")
+ROCM_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/rocm<X.Y> (the ROCm release you run)"
+
+
+@dataclass
+class Finding:
+    level: str  # "error" (will not work) or "warning" (works, badly or surprisingly)
+    code: str
+    message: str
+    fix: str
+
+
+def relevant_environment(environ=None) -> dict:
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+
+
+def _base_arch(name: str | None) -> str | None:
+    """'gfx90a:sramecc+:xnack-' → 'gfx90a'."""
+    return name.split(":")[0] if name else None
+
+
+def _rocm_machine(info: dict) -> bool:
+    driver = info.get("driver") or {}
+    return bool(driver.get("kfd") or driver.get("kfd_gfx"))
+
+
+def _archs(info: dict) -> list[str]:
+    archs = [_base_arch(g.get("arch")) for g in info.get("gpus") or [] if g.get("arch")]
+    return archs or list((info.get("driver") or {}).get("kfd_gfx") or [])
+
+
+def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> list[Finding]:
+    findings: list[Finding] = []
+    rocm_machine = _rocm_machine(info)
+    build = info.get("build")
+    driver = info.get("driver") or {}
+    rocm_context = rocm_machine or build == "rocm"
+
+    # torch: present, and the right build for the machine.
+    if not info.get("torch"):
+        findings.append(Finding(
+            "error", "torch-missing", f"torch is not importable ({info.get('torch_error', 'unknown error')})",
+            f"install your platform's torch build (megaport never installs it): on ROCm {ROCM_TORCH}"))
+    elif rocm_machine and build in ("cuda", "cpu"):
+        findings.append(Finding(
+            "error", f"torch-{build}-on-rocm",
+            f"torch {info['torch']} is a {build.upper() if build == 'cuda' else 'CPU-only'} build, but this machine "
+            "has AMD's GPU driver (/dev/kfd): it cannot use the GPUs",
+            f"pip uninstall torch, then install ROCm's build: {ROCM_TORCH}"))
+
+    # Device access: /dev/kfd and /dev/dri are what ROCm opens (container: --device both).
+    if driver.get("kfd") and driver.get("kfd_access") is False:
+        findings.append(Finding(
+            "error", "kfd-permission", "/dev/kfd exists but this user cannot open it",
+            "add the user to the 'render' and 'video' groups (sudo usermod -aG render,video $USER, then log in "
+            "again); in a container pass --device=/dev/kfd --device=/dev/dri --group-add video --group-add render"))
+    if driver.get("kfd") and not driver.get("dri"):
+        findings.append(Finding(
+            "error", "dri-missing", "/dev/kfd is present but /dev/dri is not: ROCm needs both",
+            "start the container with --device=/dev/kfd --device=/dev/dri"))
+    if build == "rocm" and rocm_machine and not info.get("gpus") and driver.get("kfd_access") is not False:
+        hidden = {k: environ[k] for k in devices.VISIBILITY_VARIABLES if k in environ}
+        findings.append(Finding(
+            "error", "no-gpu-visible",
+            "torch is a ROCm build and the driver is loaded, but torch sees no GPU"
+            + (f" ({', '.join(f'{k}={v!r}' for k, v in hidden.items())})" if hidden else ""),
+            "check HIP_VISIBLE_DEVICES/ROCR_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES (an empty value hides every GPU) "
+            "and 'rocminfo' / 'amd-smi list'"))
+
+    # The GPU's ISA must be one torch was compiled for (else: 'invalid device function' at the first kernel).
+    arch_list = info.get("arch_list") or []
+    if build == "rocm" and arch_list:
+        compiled = {_base_arch(a) for a in arch_list}
+        missing = sorted({a for a in _archs(info) if a and a not in compiled})
+        if missing and not environ.get("HSA_OVERRIDE_GFX_VERSION"):
+            findings.append(Finding(
+                "error", "arch-not-in-torch",
+                f"torch was built for {', '.join(sorted(compiled))}, not for this machine's {', '.join(missing)}: "
+                "kernels fail with 'invalid device function'",
+                "install a torch build (or ROCm release) that lists your GPU's gfx target"))
+
+    # Visibility variables. On ROCm, torch (torch/cuda/__init__.py _parse_visible_devices) and the HIP
+    # runtime prefer HIP_VISIBLE_DEVICES; ROCR_VISIBLE_DEVICES is applied first, below HIP.
+    hip_vis, cuda_vis, rocr_vis = (environ.get(k) for k in devices.VISIBILITY_VARIABLES)
+    if hip_vis is not None and cuda_vis is not None and hip_vis.replace(" ", "") != cuda_vis.replace(" ", "") \
+            and rocm_context:
+        findings.append(Finding(
+            "warning", "visible-devices-differ",
+            f"HIP_VISIBLE_DEVICES={hip_vis!r} and CUDA_VISIBLE_DEVICES={cuda_vis!r} differ: HIP and torch use "
+            "HIP_VISIBLE_DEVICES, while launchers and libraries that read CUDA_VISIBLE_DEVICES count other GPUs",
+            "set only one of them, or give both the same list"))
+    if rocr_vis is not None and hip_vis is not None and rocm_context:
+        if len(hip_vis.split(",")) > len(rocr_vis.split(",")):
+            findings.append(Finding(
+                "error", "hip-beyond-rocr",
+                f"HIP_VISIBLE_DEVICES={hip_vis!r} names more GPUs than ROCR_VISIBLE_DEVICES={rocr_vis!r} leaves "
+                "(torch raises RuntimeError at the first GPU call)",
+                "HIP_VISIBLE_DEVICES indexes the GPUs that ROCR_VISIBLE_DEVICES leaves: renumber it from 0, or "
+                "unset one of the two"))
+        else:
+            findings.append(Finding(
+                "warning", "hip-and-rocr",
+                f"ROCR_VISIBLE_DEVICES={rocr_vis!r} and HIP_VISIBLE_DEVICES={hip_vis!r} are both set: HIP's indices "
+                "count only the GPUs ROCR leaves, not the machine's",
+                "prefer ROCR_VISIBLE_DEVICES alone (AMD's recommendation on Linux), or check the mapping with "
+                "'megaport doctor' inside the job"))
+    for name in devices.VISIBILITY_VARIABLES:
+        if environ.get(name) == "" and rocm_context:
+            findings.append(Finding("warning", "visible-devices-empty", f"{name} is set but empty: it hides every GPU",
+                                    f"unset {name}, or list the GPUs to use"))
+
+    # RCCL: peer-to-peer over xGMI is how MI200/MI300 GPUs exchange data (RCCL docs, usage tips);
+    # NCCL_P2P_DISABLE=1 is a workaround for PCIe consumer GPUs that routes traffic through host memory.
+    archs = _archs(info)
+    if environ.get("NCCL_P2P_DISABLE", "0") not in ("0", "") and any(a in XGMI_ARCHS for a in archs):
+        findings.append(Finding(
+            "warning", "p2p-disabled-on-xgmi",
+            f"NCCL_P2P_DISABLE={environ['NCCL_P2P_DISABLE']} on {', '.join(sorted(set(a for a in archs if a in XGMI_ARCHS)))} "
+            "GPUs: RCCL stops using the xGMI links between GPUs and goes through host memory, losing most "
+            "of its bandwidth",
+            "unset NCCL_P2P_DISABLE (it is meant for PCIe GPUs without working peer-to-peer)"))
+
+    # ROCr: HSA_ENABLE_SDMA=0 disables the DMA engines for every copy (ROCR-Runtime environment
+    # variables); copies then run as blit kernels on the compute units.
+    if environ.get("HSA_ENABLE_SDMA") == "0":
+        findings.append(Finding(
+            "warning", "sdma-disabled",
+            "HSA_ENABLE_SDMA=0 turns off the DMA copy engines for all host<->device and device<->device copies: "
+            "they run as kernels on the compute units instead, competing with training kernels",
+            "unset HSA_ENABLE_SDMA unless it works around a specific hang you have seen on this ROCm release"))
+    if environ.get("HSA_OVERRIDE_GFX_VERSION") and rocm_context:
+        findings.append(Finding(
+            "warning", "gfx-override",
+            f"HSA_OVERRIDE_GFX_VERSION={environ['HSA_OVERRIDE_GFX_VERSION']} makes the runtime treat every GPU as "
+            "that target and run code built for it",
+            "use it only for GPUs ROCm does not support; unset it on supported (Instinct) GPUs"))
+
+    # CUDA toolkit settings on a ROCm machine: extension builds (apex, TransformerEngine, unported
+    # Megatron's fused_kernels, which probe CUDA_HOME/bin/nvcc) would try to use nvcc.
+    cuda_home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if cuda_home and rocm_context:
+        nvcc = Path(cuda_home) / "bin" / "nvcc"
+        findings.append(Finding(
+            "warning", "cuda-home-on-rocm",
+            f"CUDA_HOME/CUDA_PATH={cuda_home} on a ROCm machine"
+            + (" (it has bin/nvcc)" if nvcc.exists() else "")
+            + ": extension builds (apex, TransformerEngine, Megatron's fused kernels) look for nvcc there",
+            "unset CUDA_HOME and CUDA_PATH; ROCm builds use ROCM_PATH (e.g. /opt/rocm)"))
+
+    if not pytest_available:
+        findings.append(Finding("warning", "pytest-missing", "pytest is not installed: 'megaport verify' needs it",
+                                "pip install 'pytest>=8'"))
+    return findings
+
+
+def doctor(console, *, json_file: str | None = None, environ=None, info: dict | None = None) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    environ = dict(os.environ if environ is None else environ)
+    info = info if info is not None else devices.probe_subprocess()
+    findings = diagnose(info, environ, pytest_available=importlib.util.find_spec("pytest") is not None)
+
+    table = Table(title="versions and devices", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in devices.summary_rows(info):
+        table.add_row(label, escape(value))
+    if info.get("rocm") and not any(label == "ROCm" for label, _ in devices.summary_rows(info)):
+        table.add_row("ROCm", info["rocm"])
+    driver = info.get("driver") or {}
+    table.add_row("driver", escape(
+        ("/dev/kfd" + (" (no access)" if driver.get("kfd_access") is False else "") if driver.get("kfd") else "no /dev/kfd")
+        + (", /dev/dri" if driver.get("dri") else "") + (", NVIDIA" if driver.get("nvidia") else "")
+        + (f", KFD GPUs: {' '.join(driver['kfd_gfx'])}" if driver.get("kfd_gfx") else "")))
+    if info.get("arch_list"):
+        table.add_row("torch built for", " ".join(info["arch_list"]))
+    console.print(table)
+
+    env = relevant_environment(environ)
+    env_table = Table(title="environment", show_header=False, title_justify="left")
+    env_table.add_column(style="bold")
+    env_table.add_column()
+    for name, value in env.items():
+        env_table.add_row(name, escape(value))
+    if not env:
+        env_table.add_row("(none set)", "HIP_*, ROCR_*, HSA_*, NCCL_*, RCCL_*, CUDA_VISIBLE_DEVICES, CUDA_HOME")
+    console.print(env_table)
+
+    for finding in findings:
+        colour = "red" if finding.level == "error" else "yellow"
+        console.print(f"[{colour}]{finding.level}[/] {escape(finding.message)}\n    → {escape(finding.fix)}")
+    if not findings:
+        console.print("[green]no problems found[/]")
+    write_json(json_file, {"versions": info, "environment": env, "findings": [asdict(f) for f in findings]})
+    return 1 if any(f.level == "error" for f in findings) else 0
