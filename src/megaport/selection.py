@@ -101,7 +101,7 @@ def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) 
         why = (
             f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
         )
-    fitting = [p for p in plans if p.ok]
+    fitting = [p for p in plans if p.ok and _applied_patches(p)]
     if fitting:
         best = min(fitting, key=_fit_cost)
         return Choice(best.series, best, f"{why}; a dry run fits {best.series.name} best")
@@ -109,9 +109,12 @@ def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) 
     raise MegaportError(no_fit_message(nearest, why))
 
 
-def _fit_cost(plan: SeriesPlan) -> tuple[int, int]:
+def _fit_cost(plan: SeriesPlan) -> tuple[int, int, int]:
+    """Fewest skipped patches first: a series that skips its training patches on a full tree is
+    from another era even when its core patches happen to land."""
     counts = plan.hunk_counts
-    return (counts.get("fuzz", 0), counts.get("offset", 0))
+    skipped = sum(1 for p in plan.patches if p.status == "skipped")
+    return (skipped, counts.get("fuzz", 0), counts.get("offset", 0))
 
 
 def _applied_patches(plan: SeriesPlan) -> int:
