@@ -253,6 +253,14 @@ def test_exit_code_is_the_worst_over_all_refs(upstream, catalogue):
     assert code == 2 and [r["status"] for r in report["refs"]] == ["clean", "offset", "missing"]
 
 
+def test_one_run_over_many_refs_equals_one_run_per_ref(upstream, catalogue):
+    """Results reused between refs (same file contents) and cached rename lookups change nothing."""
+    refs = ["s_offset", "s_clean", "s_fuzz", "s_renamed", "s_3way", "s_conflict", "s_deleted", "s_applied"]
+    _, together = drift_json(upstream[0], catalogue, *refs)
+    alone = [drift_json(upstream[0], catalogue, ref)[1]["refs"][0] for ref in refs]
+    assert together["refs"] == alone
+
+
 # --- refs: globs, ranges, --last ------------------------------------------------------------
 
 

@@ -44,6 +44,17 @@ class MoveFinder:
 
         return locate
 
+    def add_base(self, sha: str) -> None:
+        """One more commit that may still have missing files (just fetched)."""
+        if sha not in self.bases:
+            self.bases.append(sha)
+            self._holding.clear()
+            self._located.clear()
+
+    def has_base(self, path: str, sha: str) -> bool:
+        """True when a commit other than ``sha`` is known to have ``path``."""
+        return self._base_holding(path, None, sha) is not None
+
     def locate(self, sha: str, path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
         """``(new path or None, what happened)`` for ``path``, absent from ``sha``."""
         wanted = git_blob_id(preimage) if preimage is not None else None

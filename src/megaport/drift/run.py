@@ -73,7 +73,9 @@ class DriftSession:
         self.repo = repo
         self.max_fuzz = max_fuzz
         self._loaded: dict[str, LoadedSeries] = {}
-        self._fetched_for: set[str] = set()
+        self._tried: set[str] = set()
+        self._fetch_failed = False
+        self._is_shallow: Optional[bool] = None
         self._memo: dict = {}
         tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
         bases = [sha for sha in dict.fromkeys(tested) if self._has_commit(sha)]
@@ -114,34 +116,59 @@ class DriftSession:
     def check_one(self, target: Target, tree: TreeView, series: Series, reason: str) -> SeriesDrift:
         return check_series(
             self.loaded(series), tree, ref=target.ref, sha=target.sha, reason=reason,
-            preimage=self.preimages(series), locate_moved=self.moves.finder(target.sha), max_fuzz=self.max_fuzz,
-            memo=self._memo,
+            preimage=self.preimages(series), locate_moved=self.locator(series, target.sha),
+            max_fuzz=self.max_fuzz, memo=self._memo,
         )
 
     def preimages(self, series: Series) -> Callable[[Optional[str]], Optional[bytes]]:
-        """Blob lookup for 3-way merges. A shallow cache may lack a preimage: then the series'
-        tested commits are fetched once (each a shallow fetch of one sha) and the lookup retried."""
+        """Blob lookup for 3-way merges (see :meth:`_from_tested` when the cache lacks one)."""
 
         def lookup(oid: Optional[str]) -> Optional[bytes]:
-            data = self.objects.blob(oid)
-            if data is not None or not oid or set(oid) == {"0"} or series.name in self._fetched_for:
-                return data
-            self._fetched_for.add(series.name)
-            if not is_shallow(self.repo):
+            if not oid or set(oid) == {"0"}:
                 return None
-            for tested in series.tested:
-                if not tested.sha or self._has_commit(tested.sha):
-                    continue
-                try:
-                    self.store.resolve(self.url, tested.sha, progress=False)
-                except MegaportError:
-                    break
-                data = self.objects.blob(oid)
-                if data is not None:
-                    return data
-            return None
+            self._from_tested(series, lambda: self.objects.blob(oid) is not None)
+            return self.objects.blob(oid)
 
         return lookup
+
+    def locator(self, series: Series, sha: str) -> Callable[[str, Optional[bytes]], tuple[Optional[str], str]]:
+        """Where a missing file went; git's rename detection needs a commit that still has it."""
+
+        def locate(path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
+            self._from_tested(series, lambda: self.moves.has_base(path, sha))
+            return self.moves.locate(sha, path, preimage)
+
+        return locate
+
+    def _from_tested(self, series: Series, satisfied: Callable[[], bool]) -> bool:
+        """A shallow cache may lack a preimage blob, or any commit that still has a file upstream
+        removed. Then the series' tested commits it lacks are fetched, newest first, one sha at a
+        time (each at most once per run), until ``satisfied()``."""
+        if satisfied():
+            return True
+        if self._fetch_failed or not self._shallow():
+            return False
+        for tested in reversed(series.tested):
+            sha = tested.sha
+            if not sha or sha in self._tried:
+                continue
+            self._tried.add(sha)
+            if self._has_commit(sha):
+                continue
+            try:
+                self.store.resolve(self.url, sha, progress=False)
+            except MegaportError:
+                self._fetch_failed = True  # offline, or the catalogue names shas this repo lacks
+                return False
+            self.moves.add_base(sha)
+            if satisfied():
+                return True
+        return False
+
+    def _shallow(self) -> bool:
+        if self._is_shallow is None:
+            self._is_shallow = is_shallow(self.repo)
+        return self._is_shallow
 
     def _has_commit(self, sha: str) -> bool:
         found = self.objects.get(sha)
