@@ -21,6 +21,7 @@ their results after a conflict can be pessimistic.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -51,6 +52,15 @@ class LoadedPatch:
     file: PatchFile
     patch: Patch
     hunk_lines: tuple[tuple[int, ...], ...]
+    digest: str = ""  # sha256 of the patch text: what results are remembered by
+
+
+def loaded_patch(patch_file: PatchFile, text: str) -> LoadedPatch:
+    """Parse one patch (paths are checked like ``apply`` does)."""
+    patch = parse_patch(text, name=patch_file.name)
+    check_patch_paths(patch)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    return LoadedPatch(patch_file, patch, hunk_header_lines(text, patch), digest)
 
 
 @dataclass(frozen=True)
@@ -61,13 +71,7 @@ class LoadedSeries:
 
 def load_series(series: Series) -> LoadedSeries:
     """Parse every patch of a series once (paths are checked like ``apply`` does)."""
-    loaded = []
-    for patch_file in series.patches:
-        text = patch_file.text()
-        patch = parse_patch(text, name=patch_file.name)
-        check_patch_paths(patch)
-        loaded.append(LoadedPatch(patch_file, patch, hunk_header_lines(text, patch)))
-    return LoadedSeries(series, tuple(loaded))
+    return LoadedSeries(series, tuple(loaded_patch(p, p.text()) for p in series.patches))
 
 
 def hunk_header_lines(text: str, patch: Patch) -> tuple[tuple[int, ...], ...]:
@@ -144,7 +148,7 @@ def check_patch(
     if memo is not None:
         # The result depends only on the patch and the bytes of the files it touches; a result
         # with missing files also on the commit (where did they go?), so those are not kept.
-        key = (id(item), max_fuzz, tuple((p, None if c is None else git_blob_id(c)) for p, c in before.items()))
+        key = (item.digest, item.file.name, max_fuzz, tuple((p, None if c is None else git_blob_id(c)) for p, c in before.items()))
         if key in memo:
             return memo[key]
     found = _check_patch(item, read, before, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz)

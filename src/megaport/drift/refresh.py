@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaport.catalogue import CATALOGUE_FILE, LIST_FILE, Catalogue, PatchFile, Series
-from megaport.engine import Patch, make_file_diff, parse_patch
+from megaport.engine import make_file_diff
 from megaport.errors import MegaportError
 
-from .check import LoadedPatch, LoadedSeries, check_series, hunk_header_lines
+from .check import LoadedPatch, LoadedSeries, check_series, loaded_patch
 from .model import BROKEN, CLEAN, SKIPPED, PatchDrift, SeriesDrift
 
 if sys.version_info >= (3, 11):
@@ -170,8 +170,7 @@ def loaded_from_exports(series: Series, exported: list[ExportedPatch], directory
         if patch.data is None:
             continue
         text = patch.data.decode("utf-8", "surrogateescape")
-        parsed: Patch = parse_patch(text, name=patch.name)
-        items.append(LoadedPatch(PatchFile(patch.name, directory / patch.name), parsed, hunk_header_lines(text, parsed)))
+        items.append(loaded_patch(PatchFile(patch.name, directory / patch.name), text))
     return LoadedSeries(series, tuple(items))
 
 
