@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--counts", default="5,10,20,40", help="numbers of refs to time")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cores", type=int, default=2, help="CPUs the timed process may use")
+    parser.add_argument("--patches", type=Path, help="catalogue to use (default: the built-in one)")
     args = parser.parse_args()
     if not args.repo.exists():
         raise SystemExit(f"{args.repo} does not exist; run the upstream tests once to build it, or pass --repo")
@@ -95,6 +96,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="megaport-drift-bench-"))
     env = {**os.environ, "MEGAPORT_HOME": str(work / "home")}
     env.pop("MEGAPORT_PATCHES", None)
+    if args.patches:
+        env["MEGAPORT_PATCHES"] = str(args.patches.resolve())
+    from megaport.catalogue import load_catalogue
+
+    catalogue = load_catalogue(args.patches)
+    hunks_per_series = {
+        s.name: sum(len(f.hunks) for p in s.patches for f in _parse(p).files) for s in catalogue.series
+    }
     megaport = [sys.executable, "-m", "megaport.cli"]
     try:
         clone = grow_history(args.repo, work)
@@ -103,6 +112,8 @@ def main() -> None:
                           "--format", "json"], args.cores, env)
         print(f"upstream {args.repo} + {BENCH_COMMITS} drifting commits; {args.cores} core(s); "
               f"median of {args.rounds}; python start-up {startup * 1000:.0f} ms (included below)")
+        print(f"catalogue {catalogue.root}: {len(catalogue.series)} series, "
+              f"{sum(hunks_per_series.values())} hunks ({', '.join(f'{n} {h}' for n, h in hunks_per_series.items())})")
         print(f"cold run (first fetch into an empty cache, {BENCH_COMMITS} refs, auto): {cold:.2f} s")
         print()
         print(f"{'refs':>5} {'series':>7} {'checks':>6} {'hunks':>6} {'wall s':>7} {'refs/min':>9} {'ms/ref':>7} {'ms/hunk':>8}  statuses")
@@ -127,6 +138,12 @@ def main() -> None:
                   + ("   (every core_v* tag)" if label == "tags" else ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _parse(patch_file):
+    from megaport.engine import parse_patch
+
+    return parse_patch(patch_file.text(), name=patch_file.name)
 
 
 if __name__ == "__main__":
