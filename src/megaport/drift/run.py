@@ -14,7 +14,7 @@ from megaport.selection import read_facts, recognised
 from megaport.store import Store
 
 from .check import LoadedSeries, check_series, load_series
-from .model import BROKEN, CONFLICT, FUZZ, MISSING, OFFSET, THREEWAY, DriftReport, SeriesDrift
+from .model import BROKEN, CONFLICT, FUZZ, MISSING, OFFSET, SKIPPED, THREEWAY, DriftReport, SeriesDrift
 from .objects import ObjectReader, TreeView
 from .refs import Target, resolve_targets
 from .renames import MoveFinder
@@ -175,12 +175,20 @@ class DriftSession:
         return found is not None and found[0] == "commit"
 
 
-def fit_cost(result: SeriesDrift) -> tuple[int, ...]:
-    """Fewer broken hunks first, then fewer merges, fuzz and offsets."""
+def fit_cost(result: SeriesDrift) -> tuple:
+    """How well a series fits, for ``--series auto`` without a single recognised series; the
+    same order as ``megaport apply``'s selection: a series that applies beats one that does not,
+    one that changes nothing (every patch skipped) fits nothing, fewer skipped patches come first
+    (a series that skips its training patches on a full tree is from another era), then fewer
+    conflicting hunks, merges, fuzz and offsets."""
     counts = result.counts
+    broken = counts.get(CONFLICT, 0) + counts.get(MISSING, 0)
+    checked = [p for p in result.patches if p.status != SKIPPED]
     return (
-        result.exit_code,
-        counts.get(CONFLICT, 0) + counts.get(MISSING, 0),
+        broken > 0,
+        not checked,
+        broken,
+        len(result.patches) - len(checked),
         counts.get(THREEWAY, 0),
         counts.get(FUZZ, 0),
         counts.get(OFFSET, 0),
