@@ -119,6 +119,18 @@ def test_refresh_drops_a_patch_upstream_took_entirely(upstream, catalogue, tmp_p
     assert code == 0
 
 
+def test_refresh_in_place_removes_a_dropped_patch_and_its_line(upstream, catalogue, tmp_path):
+    clone = tmp_path / "ahead"
+    git(tmp_path, "clone", "--quiet", str(upstream[0]), str(clone))
+    commit(clone, {"megatron/core/d.py": PATCHES["0004-d.patch"][1]}, "upstream takes d", tag="took_d")
+    result = refresh("--repo", str(clone), "--patches", str(catalogue), "--series", "demo", "--ref", "took_d",
+                     "--in-place")
+    assert result.exit_code == 0, result.output
+    assert not (catalogue / "demo" / "0004-d.patch").exists()
+    assert (catalogue / "demo" / "series").read_text().split() == [n for n in PATCHES if n != "0004-d.patch"]
+    assert drift_json(clone, catalogue, "took_d")[0] == 0
+
+
 def test_refresh_on_a_clean_ref_changes_no_byte(upstream, catalogue):
     repo = upstream[0]
     before = snapshot(catalogue)
