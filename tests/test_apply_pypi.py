@@ -21,7 +21,7 @@ from megaport.cli import main
 pytestmark = pytest.mark.upstream
 
 
-def tested_series(tag: str) -> str | None:
+def series_listing(tag: str) -> str | None:
     for series in load_catalogue().series:
         if tag in {t.ref for t in series.tested}:
             return series.name
@@ -29,11 +29,11 @@ def tested_series(tag: str) -> str | None:
 
 
 def test_every_pypi_release_is_listed_by_a_series():
-    missing = [v for v in CORE_TEST_RELEASES if tested_series(f"core_v{v}") is None]
+    missing = [v for v in CORE_TEST_RELEASES if series_listing(f"core_v{v}") is None]
     assert not missing, f"no series lists these releases as tested: {missing}"
 
 
-@pytest.fixture(scope="module", params=[v for v in CORE_TEST_RELEASES if tested_series(f"core_v{v}")])
+@pytest.fixture(scope="module", params=[v for v in CORE_TEST_RELEASES if series_listing(f"core_v{v}")])
 def ported(request, tmp_path_factory, core_upstream):
     version = request.param
     dest = tmp_path_factory.mktemp("ported") / f"megatron-{version}"
@@ -44,7 +44,7 @@ def ported(request, tmp_path_factory, core_upstream):
 
 def test_the_listed_series_is_chosen_and_applies_without_fuzz(ported):
     version, _, report = ported
-    assert report["series"] == tested_series(f"core_v{version}")
+    assert report["series"] == series_listing(f"core_v{version}")
     assert f"megatron/core {version}" in report["reason"]
     assert_clean(report)
     # PyPI ships megatron/core only: patches for other folders have nothing to change.
