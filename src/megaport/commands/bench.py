@@ -82,33 +82,40 @@ def _parse(proc_stdout: str, stderr: str, what: str) -> dict:
     raise MegaportError(f"bench worker ({what}) failed: {tail or 'no output'}")
 
 
-def _run(command: list[str], env: dict, cwd: Path, what: str) -> dict:
+def _run_all(command: list[str], env: dict, cwd: Path, what: str, count: int) -> list[dict]:
+    """One worker that prints one JSON line per dtype."""
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(cwd), timeout=WORKER_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise MegaportError(f"bench worker ({what}) ran longer than {WORKER_TIMEOUT} s") from None
-    return _parse(proc.stdout, proc.stderr, what)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if len(lines) != count:
+        _parse("", proc.stderr or proc.stdout, what)  # raises with the worker's last words
+    return lines
 
 
-def _memory_pair(python, tree, kind, shape_text, dtype, mask, env) -> dict:
-    """Each variant once in its own process, both at the same time (memory is per process)."""
+def _memory_runs(python, tree, kind, shape_text, dtypes, mask, env) -> dict:
+    """Each (dtype, variant) once in its own process; the processes run side by side, since each
+    measures only its own resident set."""
     menv = dict(env)
     # Large blocks straight from mmap, returned to the system when freed: the resident set then
     # follows what the variant really holds.
     menv.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    menv.setdefault("OMP_NUM_THREADS", "1")  # side by side; threads do not change what is held
     procs = {}
-    for variant in ("fused", "torch"):
-        procs[variant] = subprocess.Popen(
-            _command(python, tree, kind, shape_text, dtype, mask, "--mode", "memory", "--variant", variant),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=menv, cwd=str(tree))
-    out = {}
-    for variant, proc in procs.items():
+    for dtype in dtypes:
+        for variant in ("fused", "torch"):
+            procs[(dtype, variant)] = subprocess.Popen(
+                _command(python, tree, kind, shape_text, dtype, mask, "--mode", "memory", "--variant", variant),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=menv, cwd=str(tree))
+    out: dict = {}
+    for (dtype, variant), proc in procs.items():
         try:
             stdout, stderr = proc.communicate(timeout=WORKER_TIMEOUT)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise MegaportError(f"bench memory run ({variant}, {dtype}) ran longer than {WORKER_TIMEOUT} s") from None
-        out[variant] = _parse(stdout, stderr, f"memory {variant} {dtype}")
+        out.setdefault(dtype, {})[variant] = _parse(stdout, stderr, f"memory {variant} {dtype}")
     return out
 
 
@@ -136,16 +143,18 @@ def bench(options: BenchOptions, console) -> int:
     load_before = _load()
     rows = []
     memory_method = None
-    for dtype in dtypes:
-        timing = _run(_command(python, tree, kind, shape_text, dtype, options.mask, "--mode", "time",
-                               "--repeats", str(options.repeats), "--warmup", str(options.warmup)),
-                      env, tree, f"time {dtype}")
+    timings = _run_all(_command(python, tree, kind, shape_text, ",".join(dtypes), options.mask, "--mode", "time",
+                                "--repeats", str(options.repeats), "--warmup", str(options.warmup)),
+                       env, tree, "time", len(dtypes))
+    cpu_peaks: dict = {}
+    if kind == "cpu" and options.memory:
+        cpu_peaks = _memory_runs(python, tree, kind, shape_text, dtypes, options.mask, env)
+    for dtype, timing in zip(dtypes, timings):
         peak = timing.get("peak_mib")
         memory_method = timing.get("memory_method") or memory_method
-        if peak is None and options.memory:
-            pair = _memory_pair(python, tree, kind, shape_text, dtype, options.mask, env)
-            peak = {variant: result["peak_mib"] for variant, result in pair.items()}
-            memory_method = pair["fused"]["memory_method"]
+        if peak is None and dtype in cpu_peaks:
+            peak = {variant: result["peak_mib"] for variant, result in cpu_peaks[dtype].items()}
+            memory_method = cpu_peaks[dtype]["fused"]["memory_method"]
         fused_ms, torch_ms = timing["ms"]["fused"], timing["ms"]["torch"]
         row = {
             "dtype": dtype,

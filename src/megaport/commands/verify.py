@@ -160,9 +160,16 @@ def verify(options: VerifyOptions, console) -> int:
     tree, state = ported_tree(options.tree)
     rows = era_semantics(state, options.patches)
     require_pytest(python)
-    info = devices.probe_subprocess(python)
-    require_torch(info, python)
-    kind = resolve_device(options.device, info)
+    if options.device == "cpu" and python == sys.executable:
+        # Nothing to choose: only check that torch is there (importing it here costs seconds; the
+        # suite reports the versions).
+        if importlib.util.find_spec("torch") is None:
+            require_torch({"torch_error": "ModuleNotFoundError: No module named 'torch'"}, python)
+        kind = "cpu"
+    else:
+        info = devices.probe_subprocess(python)
+        require_torch(info, python)
+        kind = resolve_device(options.device, info)
     stream = sys.stderr if options.json_file == "-" else sys.stdout
 
     with tempfile.TemporaryDirectory(prefix="megaport-verify-") as scratch:

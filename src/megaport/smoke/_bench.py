@@ -61,8 +61,13 @@ def build(fs, mask_func, mask_kind, dtype, torch):
     return fs.FusedScaleMaskSoftmax(**{k: v for k, v in values.items() if k in params})
 
 
+_LOADED: dict = {}
+
+
 def setup(args, torch):
-    fs, mask_func = load(Path(args.tree))
+    if "fs" not in _LOADED:
+        _LOADED["fs"], _LOADED["mask_func"] = load(Path(args.tree))
+    fs, mask_func = _LOADED["fs"], _LOADED["mask_func"]
     dtype = getattr(torch, DTYPES[args.dtype])
     device = torch.device("cuda", 0) if args.device != "cpu" else torch.device("cpu")
     b, np_, sq, sk = (int(v) for v in args.shape.split(","))
@@ -164,7 +169,7 @@ def main() -> int:
     parser.add_argument("--tree", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", required=True)
-    parser.add_argument("--dtype", choices=list(DTYPES), required=True)
+    parser.add_argument("--dtype", required=True, help="one dtype, or a comma list in time mode")
     parser.add_argument("--mask", choices=["causal", "padding", "none"], default="causal")
     parser.add_argument("--mode", choices=["time", "memory"], default="time")
     parser.add_argument("--variant", choices=["fused", "torch"], default="fused")
@@ -173,9 +178,15 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    result = time_mode(args, torch) if args.mode == "time" else memory_mode(args, torch)
-    result.update({"dtype": args.dtype, "mode": args.mode})
-    print(json.dumps(result))
+    dtypes = args.dtype.split(",")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"unknown dtype {unknown}; choose from {', '.join(DTYPES)}")
+    for dtype in dtypes if args.mode == "time" else dtypes[:1]:
+        args.dtype = dtype
+        result = time_mode(args, torch) if args.mode == "time" else memory_mode(args, torch)
+        result.update({"dtype": dtype, "mode": args.mode})
+        print(json.dumps(result), flush=True)
     return 0
 
 

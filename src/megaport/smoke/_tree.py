@@ -120,9 +120,11 @@ def cuda_only_reason(exc: BaseException, tree: Path) -> str | None:
     text = f"{type(exc).__name__}: {exc}"
     markers = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "No CUDA GPUs are available",
                "CUDA driver initialization failed", "no CUDA-capable device")
-    if not any(m in text for m in markers):
+    where = tree_frame(exc, tree)
+    cuda_assert = isinstance(exc, AssertionError) and "cuda" in where.partition(": ")[2].lower()
+    if not any(m in text for m in markers) and not cuda_assert:
         return None
-    where = tree_frame(exc, tree) or "upstream code"
+    where = where or "upstream code"
     return f"the era's code needs a GPU here ({where}): {text}"
 
 

@@ -1,0 +1,63 @@
+"""`megaport bench`: option parsing, and one small real run on a ported PyPI tree (CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from megaport.cli import main
+from megaport.commands.bench import parse_dtypes, parse_shape
+from megaport.errors import MegaportError
+
+
+def test_parse_shape():
+    assert parse_shape("1,16,1024,1024") == (1, 16, 1024, 1024)
+    assert parse_shape("16, 1024, 1024") == (1, 16, 1024, 1024)  # [b*np, sq, sk]
+    for bad in ("", "1,2", "1,2,3,4,5", "a,b,c,d", "1,0,4,4"):
+        with pytest.raises(MegaportError) as err:
+            parse_shape(bad)
+        assert err.value.exit_code == 2
+
+
+def test_parse_dtypes():
+    assert parse_dtypes("bf16,fp32") == ["bf16", "fp32"]
+    assert parse_dtypes("bfloat16, half,fp32,fp32") == ["bf16", "fp16", "fp32"]
+    with pytest.raises(MegaportError):
+        parse_dtypes("int8")
+
+
+def test_bench_refuses_a_causal_shape_that_is_not_square(tmp_path):
+    from test_verify_cli import fake_tree
+
+    result = CliRunner().invoke(main, ["bench", str(fake_tree(tmp_path)), "--shape", "1,2,8,16"])
+    assert result.exit_code == 2 and "--causal needs sq == sk" in result.output
+
+
+@pytest.mark.upstream
+def test_bench_measures_both_paths_on_cpu(tmp_path, core_upstream):
+    pytest.importorskip("torch")
+    tree = tmp_path / "tree"
+    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
+                                        "--dest", str(tree)], catch_exceptions=False)
+    assert applied.exit_code == 0, applied.output
+    report = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "megaport.cli", "bench", str(tree), "--device", "cpu",
+                           "--shape", "1,4,64,64", "--dtype", "bf16,fp32", "--repeats", "3", "--json", str(report)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    document = json.loads(report.read_text())
+    assert document["shape"] == [1, 4, 64, 64] and document["mask"] == "causal"
+    assert [r["dtype"] for r in document["results"]] == ["bf16", "fp32"]
+    for row in document["results"]:
+        assert row["replacement_ms"] > 0 and row["upstream_torch_ms"] > 0
+        assert len(row["samples_ms"]["fused"]) == len(row["samples_ms"]["torch"]) == 3
+        assert row["time_ratio"] == pytest.approx(row["replacement_ms"] / row["upstream_torch_ms"], rel=1e-2)
+        assert row["replacement_peak_mib"] is not None and row["upstream_torch_peak_mib"] is not None
+    assert "RSS" in document["memory_method"]
+    assert document["load_average"]["cpus"] >= 1
+    assert "forward_torch_softmax" in document["variants"]["upstream_torch"]
+    assert "time ratio" in proc.stdout and "peak memory" in proc.stdout
