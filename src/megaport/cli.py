@@ -332,9 +332,11 @@ def doctor(json_file):
 @click.option("--none", "mask_kind", flag_value="none", help="No mask.")
 @click.option("--repeats", type=click.IntRange(1, 10000), default=15, show_default=True,
               help="Timed fwd+bwd runs per variant (interleaved); medians are reported.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="CPU threads for torch (torch.set_num_threads); default: torch's own choice.")
 @click.option("--json", "json_file", metavar="FILE", help="Also write the measurements as JSON ('-' for stdout).")
 @handle_errors
-def bench(tree, device, shape, dtypes, mask_kind, repeats, json_file):
+def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file):
     """Time the tree's replacement softmax against upstream's torch fallback.
 
     Both from the TREE's own FusedScaleMaskSoftmax: its fused path (the port's
@@ -345,7 +347,7 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, json_file):
     from megaport.commands.bench import bench as run_bench
 
     options = BenchOptions(tree=tree, device=device, shape=shape, dtypes=dtypes, mask=mask_kind, repeats=repeats,
-                           json_file=json_file)
+                           threads=threads, json_file=json_file)
     return run_bench(options, _console(json_file))
 
 

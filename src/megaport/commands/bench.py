@@ -38,6 +38,7 @@ class BenchOptions:
     json_file: str | None = None
     python: str | None = None
     memory: bool = True
+    threads: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -143,8 +144,9 @@ def bench(options: BenchOptions, console) -> int:
     load_before = _load()
     rows = []
     memory_method = None
+    threads = ["--threads", str(options.threads)] if options.threads else []
     timings = _run_all(_command(python, tree, kind, shape_text, ",".join(dtypes), options.mask, "--mode", "time",
-                                "--repeats", str(options.repeats), "--warmup", str(options.warmup)),
+                                "--repeats", str(options.repeats), "--warmup", str(options.warmup), *threads),
                        env, tree, "time", len(dtypes))
     cpu_peaks: dict = {}
     if kind == "cpu" and options.memory:

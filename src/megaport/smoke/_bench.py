@@ -175,8 +175,12 @@ def main() -> int:
     parser.add_argument("--variant", choices=["fused", "torch"], default="fused")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     dtypes = args.dtype.split(",")
     unknown = [d for d in dtypes if d not in DTYPES]

@@ -258,6 +258,10 @@ def _message(report) -> str:
     return text.strip().splitlines()[-1][:500] if text.strip() else ""
 
 
+# The session's config, for the report hook (which is not given it).
+_CONFIG: dict = {}
+
+
 def pytest_runtest_logreport(report):
     config = _CONFIG.get("config")
     if config is None:
@@ -280,9 +284,6 @@ def pytest_runtest_logreport(report):
     elif report.skipped:
         entry["outcome"] = "skipped"
         entry["message"] = _message(report)
-
-
-_CONFIG: dict = {}
 
 
 @pytest.hookimpl(tryfirst=True)
