@@ -130,6 +130,9 @@ def subprocess_env(tree: Path) -> dict:
     env = dict(os.environ)
     parts = [str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(parts)
+    # Only the plugins the suite asks for: third-party pytest plugins installed on the machine
+    # (random order, xdist, timeouts...) stay out of the run.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     # Never write __pycache__ into the tree (it would show up in git status): cache it in
     # megaport's home instead, unless bytecode writing is off anyway.
     if not env.get("PYTHONDONTWRITEBYTECODE") and not env.get("PYTHONPYCACHEPREFIX"):

@@ -124,7 +124,19 @@ def pytest_report_header(config):
             f"fully masked rows {rows}"]
 
 
+# Imports first (a broken import explains every later failure), then kernels, substitutes,
+# distributed, training.
+FILE_ORDER = ("test_imports.py", "test_kernels.py", "test_apex_substitutes.py", "test_distributed.py",
+              "test_training.py")
+
+
+def _file_rank(item) -> int:
+    name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return FILE_ORDER.index(name) if name in FILE_ORDER else len(FILE_ORDER)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_rank)  # stable: pytest's order within each file is kept
     smoke = config.stash[_tree.SMOKE_KEY]
     if smoke.gpu:
         return
