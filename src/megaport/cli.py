@@ -130,7 +130,7 @@ def apply(ref, repo, dest, series_name, patches, json_file, dry_run, max_fuzz):
         ref=ref, repo=repo, dest=dest, series=series_name, patches=str(patches) if patches else None,
         json_file=json_file, dry_run=dry_run, max_fuzz=max_fuzz,
     )
-    return run_apply(options, _console(json_file))
+    return run_apply(options, lambda: _console(json_file))
 
 
 @main.command()

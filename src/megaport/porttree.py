@@ -18,11 +18,14 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megaport import __version__
 from megaport.errors import MegaportError
 from megaport.git import BackgroundGit, is_dirty, rev_parse, run_git
-from megaport.plan import SeriesPlan
+
+if TYPE_CHECKING:  # the engine loads while the background checkout runs, not before it starts
+    from megaport.plan import SeriesPlan
 
 STATE_FILE = Path("megaport") / "state.json"
 COMMITTER = "megaport <megaport@localhost>"

@@ -1,14 +1,19 @@
-"""``megaport apply``: clone upstream at a ref, choose the series, and write the ported tree."""
+"""``megaport apply``: clone upstream at a ref, choose the series, and write the ported tree.
+
+Speed matters here (apply should cost little more than ``git worktree add`` + ``git apply``), so
+the upstream checkout starts in the background as soon as the ref is resolved, and the heavier
+modules (patch engine, selection, rich) are imported only after that, while git writes files.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from megaport.catalogue import load_catalogue
 from megaport.errors import MegaportError
 from megaport.git import BlobReader, is_dirty, rev_parse
-from megaport.plan import SeriesPlan
 from megaport.porttree import (
     PatchRecord,
     PortState,
@@ -23,9 +28,10 @@ from megaport.porttree import (
     write_changes,
     write_state,
 )
-from megaport.report import apply_report, render_plan, write_json
-from megaport.selection import Choice, choose_series, failure_location, forced_choice
 from megaport.store import ResolvedRef, Store
+
+if TYPE_CHECKING:
+    from megaport.selection import Choice
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class ApplyOptions:
     max_fuzz: int = 0
 
 
-def apply(options: ApplyOptions, console) -> int:
+def apply(options: ApplyOptions, make_console: Callable) -> int:
     """Port one upstream commit; exit code 0 when DEST holds the ported tree (or a dry run fits)."""
     catalogue = load_catalogue(options.patches)
     store = Store()
@@ -48,6 +54,9 @@ def apply(options: ApplyOptions, console) -> int:
     dest = options.dest.expanduser().absolute()
     staging = None if options.dry_run or _in_use(dest) else start_staging(store, resolved, dest)
     try:
+        from megaport.report import render_plan
+
+        console = make_console()
         choice = _choose(options, catalogue, resolved)
         console.print(f"upstream {resolved.url} @ {options.ref} = {resolved.sha[:12]}")
         console.print(f"series [bold]{choice.series.name}[/] ({choice.series.era}): {choice.reason}")
@@ -70,6 +79,8 @@ def apply(options: ApplyOptions, console) -> int:
 
 
 def _choose(options: ApplyOptions, catalogue, resolved: ResolvedRef) -> Choice:
+    from megaport.selection import choose_series, forced_choice
+
     with BlobReader(resolved.repo, resolved.sha) as tree:
         if options.series:
             return forced_choice(catalogue, options.series, tree, max_fuzz=options.max_fuzz)
@@ -86,6 +97,8 @@ def _in_use(dest: Path) -> bool:
 
 
 def _failure_message(choice: Choice, resolved: ResolvedRef) -> str:
+    from megaport.selection import failure_location
+
     failed = choice.plan.failed
     where = failure_location(failed.result)
     return (
@@ -95,6 +108,8 @@ def _failure_message(choice: Choice, resolved: ResolvedRef) -> str:
 
 
 def _report(options, resolved, plan, reason, status, error=None) -> None:
+    from megaport.report import apply_report, write_json
+
     write_json(
         options.json_file,
         apply_report(
@@ -160,7 +175,7 @@ def _existing_port_matches(dest: Path, resolved: ResolvedRef, choice: Choice) ->
 
 
 def _state(resolved, choice: Choice, branch: str, commits: list[str], files: list[str], head) -> PortState:
-    plan: SeriesPlan = choice.plan
+    plan = choice.plan
     by_name = {p.name: p for p in plan.patches}
     commit_iter = iter(commits)
     records = []
