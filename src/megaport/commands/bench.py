@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -163,6 +164,10 @@ def bench(options: BenchOptions, console) -> int:
             "replacement_ms": round(fused_ms, 3),
             "upstream_torch_ms": round(torch_ms, 3),
             "time_ratio": round(fused_ms / torch_ms, 3) if torch_ms else None,
+            # Each round times both variants back to back: the median of the per-round ratios is
+            # steadier than the ratio of medians when the machine's load changes during the run.
+            "paired_ratio": round(statistics.median(
+                f / t for f, t in zip(timing["samples_ms"]["fused"], timing["samples_ms"]["torch"]) if t), 3),
             "replacement_min_ms": round(min(timing["samples_ms"]["fused"]), 3),
             "upstream_torch_min_ms": round(min(timing["samples_ms"]["torch"]), 3),
             "samples_ms": {k: [round(v, 3) for v in vs] for k, vs in timing["samples_ms"].items()},
@@ -202,8 +207,8 @@ def _table(console, document: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"fwd+bwd, median of {document['repeats']} interleaved runs", title_justify="left")
-    for column in ("dtype", "replacement ms", "upstream torch ms", "time ratio", "replacement peak MiB",
-                   "upstream peak MiB", "memory ratio"):
+    for column in ("dtype", "replacement ms", "upstream torch ms", "time ratio", "paired ratio",
+                   "replacement peak MiB", "upstream peak MiB", "memory ratio"):
         table.add_column(column, justify="left" if column == "dtype" else "right")
 
     def fmt(value, spec="{:.2f}"):
@@ -211,12 +216,14 @@ def _table(console, document: dict) -> None:
 
     for row in document["results"]:
         table.add_row(row["dtype"], fmt(row["replacement_ms"]), fmt(row["upstream_torch_ms"]),
-                      fmt(row["time_ratio"], "{:.2f}x"), fmt(row.get("replacement_peak_mib"), "{:.1f}"),
+                      fmt(row["time_ratio"], "{:.2f}x"), fmt(row.get("paired_ratio"), "{:.2f}x"),
+                      fmt(row.get("replacement_peak_mib"), "{:.1f}"),
                       fmt(row.get("upstream_torch_peak_mib"), "{:.1f}"), fmt(row.get("memory_ratio"), "{:.2f}x"))
     console.print(table)
     load = document["load_average"]
     console.print(f"replacement: {document['variants']['replacement']}")
     console.print(f"upstream torch: {document['variants']['upstream_torch']}")
+    console.print("time ratio: ratio of the medians; paired ratio: median of each round's replacement/upstream")
     console.print(f"peak memory: {document['memory_method'] or 'not measured'}")
     console.print(f"load average before/after: {load['before']} / {load['after']} on {load['cpus']} CPUs "
                   f"(torch threads: {document['results'][0].get('threads') if document['results'] else '?'})")
