@@ -230,3 +230,28 @@ def test_git_am_applies_a_builtin_series_without_megaport(tmp_path):
             out = subprocess.run(["git", "mailinfo", "/dev/null", "/dev/null"], input=patch.path.read_bytes(),
                                  capture_output=True, cwd=tmp_path)
             assert out.returncode == 0 and b"Subject: " in out.stdout, patch.name
+
+
+def test_fallback_never_half_ports_a_full_tree(tmp_path):
+    """A series that fits only by skipping patches is from another era, unless the tree is core-only."""
+    files = dict(BASE, **{"megatron/training/arguments.py": "x = 1\n"})
+    repo = upstream(tmp_path, files)
+    core = diff_for(repo, {"megatron/core/b.py": "alpha\nBETA\ngamma\ndelta\n"}, "core change")
+    legacy = ("Subject: [PATCH] legacy\n\n---\ndiff --git a/megatron/legacy/x.py b/megatron/legacy/x.py\n"
+              "--- a/megatron/legacy/x.py\n+++ b/megatron/legacy/x.py\n@@ -1 +1 @@\n-a\n+b\n")
+    patches = catalogue(tmp_path, {"0001-core.patch": core, "0002-legacy.patch": legacy},
+                        recognise='core_version = { min = "9.0.0" }\n')
+    (patches / "catalogue.toml").write_text((patches / "catalogue.toml").read_text().replace(
+        'era = "test"', 'era = "test"\noptional = ["megatron/legacy"]'))
+    result = invoke("apply", "--ref", "v1", "--repo", str(repo), "--dest", str(tmp_path / "d"), "--patches",
+                    str(patches), "--dry-run")
+    assert result.exit_code == 1
+    assert "applies only by skipping 0002-legacy.patch" in result.stderr
+
+    core_only = {k: v for k, v in BASE.items()}
+    repo2 = tmp_path / "core-only"
+    make_repo(repo2, core_only, tag="v1")
+    result = invoke("apply", "--ref", "v1", "--repo", str(repo2), "--dest", str(tmp_path / "d2"), "--patches",
+                    str(patches), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "matches no series range; a dry run fits demo best" in result.output

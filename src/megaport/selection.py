@@ -101,7 +101,8 @@ def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) 
         why = (
             f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
         )
-    fitting = [p for p in plans if p.ok and _applied_patches(p)]
+    core_only = _core_only(tree)
+    fitting = [p for p in plans if p.ok and _applied_patches(p) and (core_only or not _skipped_patches(p))]
     if fitting:
         best = min(fitting, key=_fit_cost)
         return Choice(best.series, best, f"{why}; a dry run fits {best.series.name} best")
@@ -113,8 +114,18 @@ def _fit_cost(plan: SeriesPlan) -> tuple[int, int, int]:
     """Fewest skipped patches first: a series that skips its training patches on a full tree is
     from another era even when its core patches happen to land."""
     counts = plan.hunk_counts
-    skipped = sum(1 for p in plan.patches if p.status == "skipped")
-    return (skipped, counts.get("fuzz", 0), counts.get("offset", 0))
+    return (_skipped_patches(plan), counts.get("fuzz", 0), counts.get("offset", 0))
+
+
+def _core_only(tree: TreeReader) -> bool:
+    """PyPI's megatron-core: megatron/ holds core alone, so skipping the other folders' patches is
+    expected. On a full tree a series that skips patches is from another era, even if the rest lands."""
+    entries = getattr(tree, "list_dir", lambda path: None)("megatron") or []
+    return set(entries) <= {"core", "__init__.py"}
+
+
+def _skipped_patches(plan: SeriesPlan) -> int:
+    return sum(1 for p in plan.patches if p.status == "skipped")
 
 
 def _applied_patches(plan: SeriesPlan) -> int:
@@ -124,11 +135,14 @@ def _applied_patches(plan: SeriesPlan) -> int:
 def no_fit_message(plan: SeriesPlan, why: str) -> str:
     """One line: nearest series, how many hunks conflict, and where."""
     failed = plan.failed
-    where = failure_location(failed.result) if failed and failed.result else "?"
+    if failed is None:
+        skipped = [p.name for p in plan.patches if p.status == "skipped"]
+        detail = f"it applies only by skipping {', '.join(skipped)}, whose folders this tree lacks"
+    else:
+        detail = f"{plan.conflicts} hunk(s) conflict in {failed.name}, first at {failure_location(failed.result)}"
     return (
-        f"no series fits this tree ({why}); nearest is {plan.series.name}: "
-        f"{plan.conflicts} hunk(s) conflict in {failed.name if failed else '?'}, first at {where}. "
-        f"Try --series NAME, or refresh a series for this ref"
+        f"no series fits this tree ({why}); nearest is {plan.series.name}: {detail}. "
+        "Try --series NAME, or refresh a series for this ref"
     )
 
 
