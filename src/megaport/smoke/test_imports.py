@@ -46,8 +46,8 @@ def pytest_generate_tests(metafunc):
 
 def test_tree_code_is_what_runs(smoke, rocm_port):
     """megatron comes from the tree under test, not from an installed megatron-core."""
-    import megatron.core  # noqa: F401  (every era the series support has megatron/core)
-
+    if (smoke.tree / "megatron" / "core").is_dir():
+        importlib.import_module("megatron.core")
     assert _tree.is_under(rocm_port, smoke.tree), (
         f"rocm_port was imported from {rocm_port.__file__}, not from the tree {smoke.tree}")
     module = sys.modules.get("megatron.core")
@@ -55,6 +55,7 @@ def test_tree_code_is_what_runs(smoke, rocm_port):
         assert _tree.is_under(module, smoke.tree), (
             f"megatron.core was imported from {module.__file__}, not from {smoke.tree}: "
             "an installed megatron-core shadows the tree")
+    assert "megaport.replacements.rocm_port" not in sys.modules, "megaport's own copy of the replacements was imported"
 
 
 def test_touched_module_imports_without_apex(touched_module, smoke, torch_module):
