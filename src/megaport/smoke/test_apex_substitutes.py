@@ -152,11 +152,17 @@ def test_grad_scale_helper_matches_torch(smoke, rocm_port, device, which):
     applier, _, scale_op = multi_tensor_helpers(which, rocm_port)
     gen = torch.Generator().manual_seed(4)
     src = [torch.randn(s, generator=gen).to(device) for s in ((9, 4), (31,))]
-    dst = [torch.empty_like(t) for t in src]
+    want = [t * 0.25 for t in src]
+    if which == "rocm_port.amp_C":
+        dst = [torch.empty_like(t) for t in src]  # apex's contract: any source and destination lists
+        lists = [src, dst]
+    else:
+        dst = src  # how clip_grads calls it: in place, [grads, grads]
+        lists = [src, src]
     flag = torch.zeros(1, dtype=torch.int, device=device)
-    call_or_skip_cuda_only(smoke, applier, scale_op, flag, [src, dst], 0.25)
-    for s, d in zip(src, dst):
-        assert torch.allclose(d, s * 0.25, rtol=1e-6, atol=0), f"{which}: multi_tensor_scale result"
+    call_or_skip_cuda_only(smoke, applier, scale_op, flag, lists, 0.25)
+    for w, d in zip(want, dst):
+        assert torch.allclose(d, w, rtol=1e-6, atol=0), f"{which}: multi_tensor_scale result"
     assert int(flag.item()) == 0, f"{which}: finite values raised the overflow flag"
     if which == "rocm_port.amp_C":
         # apex's amp_C raises the flag on non-finite values; upstream's local fallback does not
@@ -165,6 +171,24 @@ def test_grad_scale_helper_matches_torch(smoke, rocm_port, device, which):
         flag.zero_()
         applier(scale_op, flag, [bad, [torch.empty_like(bad[0])]], 1.0)
         assert int(flag.item()) != 0, f"{which}: an inf gradient did not raise the overflow flag"
+
+
+def test_optimizer_copies_main_params_to_model_params(smoke, device):
+    """Float16OptimizerWithFloat16Params copies fp32 main params into fp16 model params through
+    _multi_tensor_copy_this_to_that with an overflow buffer: the grad-scale kernel, with two lists."""
+    module = tree_module("megatron.core.optimizer.optimizer")
+    copy = need(module, "_multi_tensor_copy_this_to_that")
+    gen = torch.Generator().manual_seed(10)
+    this = [torch.randn(s, generator=gen).to(device) for s in ((6, 5), (11,))]
+    that = [torch.zeros(t.shape, dtype=torch.float16, device=device) for t in this]
+    overflow_buf = torch.tensor([0], dtype=torch.int, device=device)
+    try:
+        copy(this, that, overflow_buf)
+    except RuntimeError as exc:
+        pytest.fail(f"the fp16 optimizer's main->model parameter copy fails: {exc} "
+                    f"({_tree.tree_frame(exc, smoke.tree)})", pytrace=False)
+    for a, b in zip(this, that):
+        assert torch.equal(b, a.half()), "main->model parameter copy gave other values"
 
 
 def test_megatron_grad_norm_fp32(smoke, device, process_group):
