@@ -85,7 +85,8 @@ def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
 
 
 def rendered_replacement(series: Series) -> bytes:
-    return render(fully_masked_rows_are_zero=series.fully_masked_rows == "zero").encode("utf-8")
+    zero = series.fully_masked_rows == "zero"
+    return render(fully_masked_rows_are_zero=zero, tree_path=series.replacement).encode("utf-8")
 
 
 def replacement_patch(series: Series) -> Path:

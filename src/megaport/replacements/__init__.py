@@ -22,14 +22,16 @@ def source_text() -> str:
     return _SOURCE.read_text(encoding="utf-8")
 
 
-def render(*, fully_masked_rows_are_zero: bool) -> str:
+def render(*, fully_masked_rows_are_zero: bool, tree_path: str = TREE_PATH) -> str:
     """The module text for one upstream era.
 
     ``fully_masked_rows_are_zero`` is False for trees older than upstream commit
     76db958327 (2022-07-28), whose masked-softmax kernel gave fully masked rows a
-    uniform distribution instead of zeros.
+    uniform distribution instead of zeros. ``tree_path`` is where the series puts the
+    module (``megatron/rocm_port.py`` in trees older than megatron/core), so its
+    docstring and error messages name the file the user actually has.
     """
-    text = source_text()
+    text = source_text().replace(TREE_PATH, tree_path)
     lines = text.splitlines(keepends=True)
     hits = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == _ERA_LINE_TRUE]
     if len(hits) != 1:
