@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -196,7 +197,9 @@ def start_staging(store, resolved, dest: Path) -> Staging:
     tmp = temporary_sibling(dest)
     try:
         store.init_from_cache(resolved, tmp)
-        return Staging(tmp, BackgroundGit(["checkout", "--quiet", "--detach", resolved.sha], tmp))
+        # checkout.workers=0: one writer per core; a Megatron checkout is thousands of small files.
+        checkout = ["-c", "checkout.workers=0", "checkout", "--quiet", "--detach", resolved.sha]
+        return Staging(tmp, BackgroundGit(checkout, tmp))
     except BaseException:
         remove_tree(tmp)
         raise
@@ -226,10 +229,27 @@ def write_changes(tree: Path, plan: SeriesPlan, modes: dict[str, str], branch: s
         target.write_bytes(content)
         target.chmod(0o755 if modes.get(path) == "100755" else 0o644)
     listing = "".join(f"{path}\0" for path in sorted(changes))
+    _index_after_checkout(tree)
     run_git(["update-index", "--add", "--remove", "-z", "--stdin"], tree, input=listing)
     run_git(["symbolic-ref", "HEAD", f"refs/heads/{branch}"], tree)
-    if run_git(["diff-index", "--quiet", "HEAD", "--"], tree, check=False).returncode != 0:
+    # The index against the series commit (not the work tree: files just written are "racily
+    # clean" to git, and comparing them would re-read the whole checkout).
+    if run_git(["diff-index", "--cached", "--quiet", "HEAD", "--"], tree, check=False).returncode != 0:
         raise MegaportError("internal error: the written tree differs from the series commit; please report it")
+
+
+def _index_after_checkout(tree: Path) -> None:
+    """Date the checkout's index a second after its files, so the next index write skips git's
+    racy-clean re-hash of all of them.
+
+    Git re-reads every file whose mtime is not older than the index (it cannot tell a same-second
+    edit from the checkout itself). Nothing but megaport touched this private tree since the
+    checkout, and the paths megaport rewrote are re-staged right after, so their stat data is
+    fresh; the index written then carries the real time again for every later git command.
+    """
+    index = tree / ".git" / "index"
+    newest = max(index.stat().st_mtime, time.time()) + 1
+    os.utime(index, (newest, newest))
 
 
 def temporary_sibling(dest: Path) -> Path:
