@@ -205,10 +205,10 @@ def test_blob_reader_reads_without_checkout(repo: Path, tmp_path: Path) -> None:
         assert tree.list_dir("pkg") == ["__init__.py", "core"]
         assert tree.list_dir("README.md") is None
         assert tree.list_dir("nope") is None
-        pid = tree._proc.pid  # one long-lived process serves every read
+        pid = tree.objects._proc.pid  # one long-lived process serves every read
         for _ in range(50):
             tree.read("pkg/core/mod.py")
-        assert tree._proc.pid == pid
+        assert tree.objects._proc.pid == pid
     with pytest.raises(ValueError):
         tree.read("README.md")
     with BlobReader(repo, "HEAD") as head:

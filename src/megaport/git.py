@@ -287,27 +287,17 @@ def ls_tree_paths(repo: str | os.PathLike[str], commit: str, prefix: str = "") -
     return [p for p in out.split("\0") if p]
 
 
-class BlobReader:
-    """Read many files of one commit without a checkout, through one ``git cat-file --batch``.
+class ObjectReader:
+    """Any object of a repository, through one long-lived ``git cat-file --batch``.
 
-    ::
-
-        with BlobReader(cache_repo, sha) as tree:
-            data = tree.read("megatron/core/__init__.py")   # bytes, or None when absent
-            tree.exists("megatron/core")                      # files and directories
-            tree.list_dir("megatron")                         # ['core', 'legacy', ...]
-
-    Paths are relative to the repository root, ``/``-separated. A reader is not
-    thread-safe; use one per thread. Raises :class:`GitError` when ``commit`` is not a
-    commit in ``repo`` or the git process dies.
+    ``get("<sha>")`` or ``get("<commit>:<path>")`` gives ``(type, object id, content)``. Blobs are
+    cached by id, so a file that did not change between two commits is read once. Not
+    thread-safe: one per thread. :meth:`tree` gives per-commit views sharing the process.
     """
 
-    def __init__(self, repo: str | os.PathLike[str], commit: str) -> None:
+    def __init__(self, repo: str | os.PathLike[str]) -> None:
         self.repo = Path(repo)
-        sha = rev_parse(self.repo, f"{commit}^{{commit}}")
-        if sha is None:
-            raise GitError(f"commit '{commit}' not found in {self.repo}")
-        self.commit = sha
+        self._blobs: dict[str, bytes] = {}
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             git_command(["cat-file", "--batch"]),
             cwd=self.repo,
@@ -317,8 +307,7 @@ class BlobReader:
             stderr=subprocess.DEVNULL,
         )
 
-    # -- context manager -------------------------------------------------------------
-    def __enter__(self) -> BlobReader:
+    def __enter__(self) -> ObjectReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -347,14 +336,105 @@ class BlobReader:
             proc.kill()
             proc.wait()
 
+    @property
+    def closed(self) -> bool:
+        return self._proc is None
+
+    def get(self, name: str) -> tuple[str, str, bytes] | None:
+        """``(type, object id, content)`` of the object ``name``, or None when there is none."""
+        proc = self._proc
+        if proc is None:
+            raise ValueError("ObjectReader is closed")
+        assert proc.stdin is not None and proc.stdout is not None
+        if "\n" in name:
+            raise ValueError(f"unsupported object name: {name!r}")
+        try:
+            proc.stdin.write(name.encode("utf-8", "surrogateescape") + b"\n")
+            proc.stdin.flush()
+            header = proc.stdout.readline()
+        except (BrokenPipeError, OSError) as exc:
+            self.close()
+            raise GitError(f"git cat-file stopped while reading {self.repo}") from exc
+        if not header:
+            self.close()
+            raise GitError(f"git cat-file stopped while reading {self.repo}")
+        line = header.rstrip(b"\n")
+        if line.endswith((b" missing", b" ambiguous")):
+            return None
+        fields = line.split(b" ")
+        if len(fields) != 3 or not fields[2].isdigit():
+            self.close()
+            raise GitError(f"unexpected reply from git cat-file: {header!r}")
+        data = _read_exact(proc.stdout, int(fields[2]) + 1)[:-1]  # content, then a newline
+        oid = fields[0].decode("ascii")
+        if fields[1] == b"blob":
+            self._blobs.setdefault(oid, data)
+        return fields[1].decode("ascii"), oid, data
+
+    def blob(self, oid: str | None) -> bytes | None:
+        """The blob ``oid`` (full or abbreviated), or None when it is not in the repository."""
+        if not oid or set(oid) == {"0"}:
+            return None
+        if oid in self._blobs:
+            return self._blobs[oid]
+        found = self.get(oid)
+        return found[2] if found is not None and found[0] == "blob" else None
+
+    def tree(self, commit: str) -> BlobReader:
+        """The files of ``commit``, read through this reader's process."""
+        return BlobReader(self.repo, commit, objects=self)
+
+
+class BlobReader:
+    """Read many files of one commit without a checkout.
+
+    ::
+
+        with BlobReader(cache_repo, sha) as tree:
+            data = tree.read("megatron/core/__init__.py")   # bytes, or None when absent
+            tree.exists("megatron/core")                      # files and directories
+            tree.list_dir("megatron")                         # ['core', 'legacy', ...]
+
+    Paths are relative to the repository root, ``/``-separated. It runs its own
+    ``git cat-file --batch`` unless given an :class:`ObjectReader` to share (drift reads many
+    commits through one). Raises :class:`GitError` when ``commit`` is not a commit in ``repo``.
+    """
+
+    def __init__(
+        self, repo: str | os.PathLike[str], commit: str, *, objects: ObjectReader | None = None
+    ) -> None:
+        self.repo = Path(repo)
+        sha = rev_parse(self.repo, f"{commit}^{{commit}}")
+        if sha is None:
+            raise GitError(f"commit '{commit}' not found in {self.repo}")
+        self.commit = sha
+        self._owns = objects is None
+        self.objects = objects if objects is not None else ObjectReader(self.repo)
+        self._entries: dict[str, tuple[str, str, bytes] | None] = {}
+
+    # -- context manager -------------------------------------------------------------
+    def __enter__(self) -> BlobReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the git process when this reader started it."""
+        if self._owns:
+            self.objects.close()
+
     # -- queries ---------------------------------------------------------------------
     def read(self, path: str) -> bytes | None:
         """The exact bytes of the file at ``path`` (a symlink gives its target), or None
         when nothing is there or ``path`` is a directory."""
         obj = self._get(path)
-        if obj is None or obj[0] != "blob":
-            return None
-        return obj[1]
+        return obj[2] if obj is not None and obj[0] == "blob" else None
+
+    def blob_id(self, path: str) -> str | None:
+        """The blob id of the file at ``path``, or None."""
+        obj = self._get(path)
+        return obj[1] if obj is not None and obj[0] == "blob" else None
 
     def exists(self, path: str) -> bool:
         """True when ``path`` is a file, a directory or a submodule entry in the commit."""
@@ -373,7 +453,7 @@ class BlobReader:
         obj = self._get(path)
         if obj is None or obj[0] != "tree":
             return None
-        return [name for _mode, name, _sha in self._parse_tree(obj[1])]
+        return [name for _mode, name, _sha in self._parse_tree(obj[2])]
 
     # -- internals -------------------------------------------------------------------
     @staticmethod
@@ -390,35 +470,16 @@ class BlobReader:
         if obj is None or obj[0] != "tree":
             return False
         return any(
-            mode == "160000" and entry == name for mode, entry, _ in self._parse_tree(obj[1])
+            mode == "160000" and entry == name for mode, entry, _ in self._parse_tree(obj[2])
         )
 
-    def _get(self, path: str) -> tuple[str, bytes] | None:
-        proc = self._proc
-        if proc is None:
+    def _get(self, path: str) -> tuple[str, str, bytes] | None:
+        if self.objects.closed:
             raise ValueError("BlobReader is closed")
-        assert proc.stdin is not None and proc.stdout is not None
-        request = f"{self.commit}:{self._clean(path)}\n".encode("utf-8", "surrogateescape")
-        try:
-            proc.stdin.write(request)
-            proc.stdin.flush()
-            header = proc.stdout.readline()
-        except (BrokenPipeError, OSError) as exc:
-            self.close()
-            raise GitError(f"git cat-file stopped while reading {self.repo}") from exc
-        if not header:
-            self.close()
-            raise GitError(f"git cat-file stopped while reading {self.repo}")
-        line = header.rstrip(b"\n")
-        if line.endswith((b" missing", b" ambiguous")):
-            return None
-        fields = line.split(b" ")
-        if len(fields) != 3 or not fields[2].isdigit():
-            self.close()
-            raise GitError(f"unexpected reply from git cat-file: {header!r}")
-        size = int(fields[2])
-        data = _read_exact(proc.stdout, size + 1)[:-1]  # content, then a newline
-        return fields[1].decode("ascii"), data
+        clean = self._clean(path)
+        if clean not in self._entries:
+            self._entries[clean] = self.objects.get(f"{self.commit}:{clean}")
+        return self._entries[clean]
 
     def _parse_tree(self, data: bytes) -> list[tuple[str, str, str]]:
         """Entries of a raw tree object: ``(mode, name, hex id)``."""

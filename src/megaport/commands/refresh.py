@@ -11,7 +11,7 @@ from typing import Optional
 
 from megaport.catalogue import load_catalogue
 from megaport.drift.model import BROKEN, EXIT_BROKEN, EXIT_USAGE
-from megaport.drift.objects import ObjectReader
+from megaport.git import ObjectReader
 from megaport.drift.refresh import (
     DROPPED,
     KEPT,

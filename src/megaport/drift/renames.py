@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from megaport.engine.blob import git_blob_id
 from megaport.git import run_git
 
-from .objects import ObjectReader, list_files
+from megaport.git import ObjectReader, ls_tree_paths
 
 #: A same-name file must be at least this similar to count as the moved file.
 MIN_SIMILARITY = 0.5
@@ -126,7 +126,7 @@ class MoveFinder:
         with: the only one), and how similar it is."""
         if sha not in self._files:
             by_name: dict[str, list[str]] = {}
-            for candidate in list_files(self.repo, sha):
+            for candidate in ls_tree_paths(self.repo, sha):
                 by_name.setdefault(posixpath.basename(candidate), []).append(candidate)
             self._files[sha] = by_name
         candidates = [p for p in self._files[sha].get(posixpath.basename(path), []) if p != path]

@@ -15,7 +15,7 @@ from megaport.store import Store
 
 from .check import LoadedSeries, check_series, load_series
 from .model import BROKEN, CONFLICT, FUZZ, MISSING, OFFSET, SKIPPED, THREEWAY, DriftReport, SeriesDrift
-from .objects import ObjectReader, TreeView
+from megaport.git import BlobReader, ObjectReader
 from .refs import Target, resolve_targets
 from .renames import MoveFinder
 
@@ -95,7 +95,7 @@ class DriftSession:
             return [self.check_one(target, tree, s, "chosen with --series") for s in mode]
         return [self.choose(target, tree)]
 
-    def choose(self, target: Target, tree: TreeView) -> SeriesDrift:
+    def choose(self, target: Target, tree: BlobReader) -> SeriesDrift:
         """megaport's recognition (docs/selection.md); when it names none or several series, the
         one that fits best."""
         facts = read_facts(tree)
@@ -113,7 +113,7 @@ class DriftSession:
             best.ref, best.sha, best.series, best.patches, f"{why}; {best.series} {verdict}", best.series_dir
         )
 
-    def check_one(self, target: Target, tree: TreeView, series: Series, reason: str) -> SeriesDrift:
+    def check_one(self, target: Target, tree: BlobReader, series: Series, reason: str) -> SeriesDrift:
         return check_series(
             self.loaded(series), tree, ref=target.ref, sha=target.sha, reason=reason,
             preimage=self.preimages(series), locate_moved=self.locator(series, target.sha),
