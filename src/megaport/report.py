@@ -49,11 +49,8 @@ def hunk_summary(plan_patch) -> str:
     counts: dict[str, int] = {}
     for file_result in plan_patch.result.files:
         for hunk in file_result.hunks:
-            label = hunk.outcome
-            if hunk.outcome == "offset":
-                label = "offset"
-            counts[label] = counts.get(label, 0) + 1
-    return ", ".join(f"{n} {label}" for label, n in counts.items()) or "no hunks"
+            counts[hunk.outcome] = counts.get(hunk.outcome, 0) + 1
+    return ", ".join(f"{n} {outcome}" for outcome, n in counts.items()) or "no hunks"
 
 
 def render_plan(console, plan: SeriesPlan, title: str) -> None:
