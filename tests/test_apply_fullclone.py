@@ -112,3 +112,18 @@ def test_stanford_megatron_ports(tmp_path, fake_cuda_modules):
     pytest.importorskip("torch")
     found = check_tree(dest, fake_cuda_modules, semantics_of(report["series"]))
     assert_kernel_semantics(found, semantics_of(report["series"]))
+
+
+def test_every_tested_ref_in_the_catalogue_is_chosen_and_applies(clone, tmp_path):
+    """The catalogue's promise: each series is chosen for, and applies with no fuzz to, every ref it lists."""
+    from megaport.catalogue import load_catalogue
+
+    failures = []
+    for series in load_catalogue().series:
+        for tested in series.tested:
+            code, report, output = port(clone, tested.sha or tested.ref, tmp_path / "d", "--dry-run")
+            if code != 0 or report.get("series") != series.name:
+                failures.append(f"{series.name} @ {tested.label}: got {report.get('series')} ({code})")
+                continue
+            assert_clean(report)
+    assert not failures, "\n".join(failures)
