@@ -9,13 +9,12 @@ from typing import Callable, Optional, Sequence
 
 from megaport.catalogue import Catalogue, Series, load_catalogue
 from megaport.errors import MegaportError
-from megaport.git import is_shallow
+from megaport.git import BlobReader, ObjectReader, is_shallow
 from megaport.selection import read_facts, recognised
 from megaport.store import Store
 
 from .check import LoadedSeries, check_series, load_series
 from .model import BROKEN, CONFLICT, FUZZ, MISSING, OFFSET, SKIPPED, THREEWAY, DriftReport, SeriesDrift
-from megaport.git import BlobReader, ObjectReader
 from .refs import Target, resolve_targets
 from .renames import MoveFinder
 
@@ -100,12 +99,18 @@ class DriftSession:
         one that fits best."""
         facts = read_facts(tree)
         candidates = [s for s in self.catalogue.series if recognised(s, facts, tree)]
-        described = f"megatron/core {facts.version_text}"
+        described = facts.description
         if len(candidates) == 1:
             series = candidates[0]
-            return self.check_one(target, tree, series, f"{described} is in its range ({series.tested_range})")
-        pool = candidates or list(self.catalogue.series)
-        why = f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
+            only = self.check_one(target, tree, series, f"{described} is in its range ({series.tested_range})")
+            if only.status not in BROKEN:
+                return only
+            # As apply does: a recognised series that does not apply yields to the best fit.
+            pool = list(self.catalogue.series)
+            why = f"{described} matches {series.name} but it does not apply"
+        else:
+            pool = candidates or list(self.catalogue.series)
+            why = f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
         checked = [self.check_one(target, tree, s, "") for s in pool]
         best = min(checked, key=fit_cost)
         verdict = "fits best" if best.status not in BROKEN else "is the nearest (none applies)"
