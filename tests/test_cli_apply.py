@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.catalogues import DEMO_ENTRY, write_catalogue
 from support.gitrepos import commit, git, make_repo
 
 from megaport.cli import main
@@ -42,16 +43,8 @@ def diff_for(repo: Path, edits: dict[str, str], subject: str) -> str:
 
 
 def catalogue(tmp_path: Path, patches: dict[str, str], *, name="demo", recognise="") -> Path:
-    root = tmp_path / "catalogue"
-    (root / name).mkdir(parents=True)
-    for filename, text in patches.items():
-        (root / name / filename).write_text(text)
-    (root / name / "series").write_text("".join(f"{n}\n" for n in patches))
-    (root / "catalogue.toml").write_text(
-        f'format = 1\n[[series]]\nname = "{name}"\nera = "test"\nsummary = "demo"\n'
-        f'tested = [{{ ref = "v1", sha = "" }}]\n[series.recognise]\n{recognise}'
-    )
-    return root
+    entry = DEMO_ENTRY + 'tested = [{ ref = "v1", sha = "" }]\n'
+    return write_catalogue(tmp_path / "catalogue", patches, name=name, entry=entry, recognise=recognise)
 
 
 def invoke(*args: str):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.catalogues import write_catalogue
 from support.gitrepos import commit, git, make_repo
 
 from megaport.cli import main
@@ -75,17 +76,10 @@ def format_patch(repo: Path, path: str, content: str, subject: str) -> str:
     return text + "\n"
 
 
-def write_catalogue(root: Path, patches: dict[str, str], *, name: str = "demo", tested: str = "") -> Path:
-    (root / name).mkdir(parents=True)
-    for filename, text in patches.items():
-        (root / name / filename).write_text(text)
-    (root / name / "series").write_text("".join(f"{n}\n" for n in patches))
-    (root / "catalogue.toml").write_text(
-        f'format = 1\n\n[[series]]\nname = "{name}"\nera = "test"\nsummary = "demo series"\n'
-        f'optional = ["megatron/training"]\ntested = [{tested}]\n\n[series.recognise]\n'
-        'core_version = { min = "0.13.0", max = "0.17.0" }\n'
-    )
-    return root
+def demo_catalogue(root: Path, patches: dict[str, str], *, name: str = "demo", tested: str = "") -> Path:
+    entry = f'era = "test"\nsummary = "demo series"\noptional = ["megatron/training"]\ntested = [{tested}]\n'
+    recognise = 'core_version = { min = "0.13.0", max = "0.17.0" }\n'
+    return write_catalogue(root, patches, name=name, entry=entry, recognise=recognise)
 
 
 def build_upstream(base: Path) -> tuple[Path, dict[str, str], str]:
@@ -112,7 +106,7 @@ def upstream(tmp_path_factory):
 @pytest.fixture
 def catalogue(tmp_path, upstream):
     repo, patches, v1 = upstream
-    return write_catalogue(tmp_path / "catalogue", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
+    return demo_catalogue(tmp_path / "catalogue", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
 
 
 def drift(*args: str):
@@ -179,13 +173,13 @@ def test_three_way_fetches_the_preimage_when_the_cache_lacks_it(upstream, tmp_pa
     repo, patches, v1 = upstream
     monkeypatch.setenv("MEGAPORT_HOME", str(tmp_path / "fresh-cache"))  # nothing fetched yet
     # No tested sha in the catalogue: a shallow cache of s_3way alone has no v1 blob to merge with.
-    bare = write_catalogue(tmp_path / "bare", patches)
+    bare = demo_catalogue(tmp_path / "bare", patches)
     code, report = drift_json(repo, bare, "s_3way")
     (hunk,) = hunks_of(report, "s_3way")["0002-b.patch"]
     assert code == 2 and hunk["status"] == "conflict"
     assert "preimage blob" in hunk["reason"]
     # With the tested sha known, drift fetches that commit (one sha) and merges.
-    tested = write_catalogue(tmp_path / "tested", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
+    tested = demo_catalogue(tmp_path / "tested", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
     code, report = drift_json(repo, tested, "s_3way")
     assert code == 1 and hunks_of(report, "s_3way")["0002-b.patch"][0]["status"] == "3way"
 
@@ -232,7 +226,7 @@ def test_a_renamed_file_is_missing_with_its_new_path(upstream, catalogue):
 
 def test_a_renamed_file_is_found_by_name_without_a_commit_to_compare(upstream, tmp_path):
     repo, patches, _ = upstream
-    untested = write_catalogue(tmp_path / "untested", patches)
+    untested = demo_catalogue(tmp_path / "untested", patches)
     code, report = drift_json(repo, untested, "s_renamed")
     (hunk,) = hunks_of(report, "s_renamed")["0005-e.patch"]
     assert code == 2 and hunk["status"] == "missing" and hunk["new_path"] == "megatron/core/moved/e.py"
@@ -320,7 +314,7 @@ def test_usage_and_environment_errors_exit_3(upstream, catalogue, args):
 
 def test_series_all_checks_every_series_and_auto_recognises(upstream, catalogue, tmp_path):
     repo, patches, _ = upstream
-    root = write_catalogue(tmp_path / "two", patches)
+    root = demo_catalogue(tmp_path / "two", patches)
     # A second series whose recognise rule cannot match this tree.
     (root / "other").mkdir()
     (root / "other" / "0001-a.patch").write_text(patches["0001-a.patch"])

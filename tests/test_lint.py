@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.catalogues import write_catalogue
 
 from megaport.catalogue import load_catalogue
 from megaport.cli import main
@@ -40,15 +41,9 @@ def patch_text(subject="Change two", body=GOOD_BODY, path="megatron/core/a.py") 
 
 def make_catalogue(root: Path, patches: dict[str, str] | None = None, *, name="demo", extra_toml="") -> Path:
     patches = {"0001-change-two.patch": patch_text()} if patches is None else patches
-    (root / name).mkdir(parents=True)
-    for filename, text in patches.items():
-        (root / name / filename).write_text(text)
-    (root / name / "series").write_text("".join(f"{n}\n" for n in patches))
-    (root / "catalogue.toml").write_text(
-        f'format = 1\n\n[[series]]\nname = "{name}"\nera = "E1"\ntested = [{{ ref = "v1", sha = "{"a" * 40}" }}]\n'
-        f'{extra_toml}\n[series.recognise]\ncore_version = {{ min = "0.1.0", max = "0.2.0" }}\npresent = ["megatron"]\n'
-    )
-    return root
+    entry = f'era = "E1"\ntested = [{{ ref = "v1", sha = "{"a" * 40}" }}]\n{extra_toml}\n'
+    recognise = 'core_version = { min = "0.1.0", max = "0.2.0" }\npresent = ["megatron"]\n'
+    return write_catalogue(root, patches, name=name, entry=entry, recognise=recognise)
 
 
 def lint(*args: str):

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from support.gitrepos import commit, git
-from test_drift import PATCHES, build_upstream, drift_json, hunks_of, write_catalogue
+from test_drift import PATCHES, drift_json, hunks_of
+from test_drift import catalogue, upstream  # noqa: F401  (the same fixtures: one drifting upstream)
 
 from megaport.catalogue import load_catalogue
 from megaport.cli import main
@@ -26,17 +27,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    return build_upstream(tmp_path_factory.mktemp("refresh"))
-
-
-@pytest.fixture
-def catalogue(tmp_path, upstream):
-    repo, patches, v1 = upstream
-    return write_catalogue(tmp_path / "catalogue", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
 
 
 def refresh(*args: str):
