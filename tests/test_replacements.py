@@ -378,7 +378,7 @@ def test_cpu_blocking_does_not_change_results(rp, monkeypatch, dtype, block):
     monkeypatch.setattr(rp, "_CPU_BLOCK_ELEMENTS", 10**9)
     whole = everything()
     monkeypatch.setattr(rp, "_CPU_BLOCK_ELEMENTS", block)
-    monkeypatch.setattr(rp, "_block_elements", lambda device, same: block)
+    monkeypatch.setattr(rp, "_block_elements", lambda device, numel: block)
     for a, b in zip(whole, everything()):
         assert torch.equal(a, b)
 

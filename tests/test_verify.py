@@ -119,9 +119,10 @@ def plant_apex_import(tree: Path) -> None:
 def plant_backward_without_scale(tree: Path) -> None:
     path = tree / "megatron/core/rocm_port.py"
     text = path.read_text()
+    # Both backward paths: the fp32 workspace one and the one in the input dtype.
     new = text.replace("torch.mul(gb, scale, out=work)", "work.copy_(gb)").replace(
-        "            if scale != 1.0:\n                work.mul_(scale)\n        # The result", "        # The result")
-    assert new.count("work.copy_(gb)") == 2 and new != text
+        "        if scale != 1.0:\n            gi4.mul_(scale)\n", "")
+    assert new.count("work.copy_(gb)") == 1 and "gi4.mul_(scale)" not in new
     path.write_text(new)
 
 

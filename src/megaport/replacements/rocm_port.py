@@ -27,6 +27,7 @@ tree: edit megaport's source and regenerate the patch series.
 from __future__ import annotations
 
 import importlib.abc
+import math
 import sys
 import types
 
@@ -121,14 +122,24 @@ install_import_blocker()
 # Fused softmax replacements
 # ---------------------------------------------------------------------------------
 
-# fp16/bf16 inputs need an fp32 working copy.  On CPU the rows are processed in
-# blocks of about this many elements (16 MiB of fp32), so that no full-size fp32
-# temporary is allocated: one reused workspace replaces several fresh allocations.
-# Blocks are kept large because every op is a parallel region, and many small regions
-# slow down badly when other processes compete for the cores.  On GPUs, and when the
-# input is already in the compute dtype (the work is then done in the output itself),
-# the whole tensor is one block.
+# How the softmax replacements keep memory traffic and temporaries down (measured by
+# ``megaport bench`` and by the live-bytes tally in tests/test_replacements_gpu_paths.py):
+#
+# * When the kernels' fp32 math can run in the input dtype itself, everything happens in one
+#   output-sized tensor: the input is scaled and masked into it and aten's softmax kernels
+#   (which accumulate fp16/bf16 in fp32, as the CUDA kernels do) overwrite it in place.  That
+#   holds for fp32/fp64 inputs and for scales that are powers of two no larger than 1 (1.0,
+#   the common case, included): multiplying by them rounds nothing, provided the dtype holds
+#   the mask value too (bf16 does not hold -10000.0).  The backward is then one
+#   ``_softmax_backward_data`` call writing the input gradient.  Extra memory for forward and
+#   backward together: the output and the gradient, 2x the input.
+# * Otherwise (other scales, or a bf16 padding mask) the work is done in fp32, as in the
+#   kernels, in an fp32 workspace that covers a bounded block of rows at a time and is reused: 1/16 of the
+#   tensor on GPUs (2.25x the input at peak, fwd+bwd), about 16 MiB on CPUs, where blocks
+#   are kept large because each op is a parallel region and many small regions slow down
+#   badly when other processes compete for the cores.
 _CPU_BLOCK_ELEMENTS = 1 << 22
+_GPU_BLOCKS = 16
 
 _INPLACE_KERNELS_OK = {}
 
@@ -180,6 +191,24 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _exact_in_input_dtype(dtype: torch.dtype, scale: float) -> bool:
+    """Whether ``x * scale`` and the softmax can stay in ``dtype`` without changing a result.
+
+    True for fp32/fp64 (the compute dtype itself) and for scales 2**-k (k >= 0), which
+    multiply exactly; aten's kernels already accumulate fp16/bf16 in fp32.
+    """
+    if torch.promote_types(dtype, torch.float32) == dtype:
+        return True
+    mantissa, _ = math.frexp(scale)
+    return 0.0 < scale <= 1.0 and mantissa == 0.5
+
+
+def _holds_exactly(dtype: torch.dtype, value: float) -> bool:
+    """Whether ``dtype`` represents ``value``: fp16 holds -10000.0, bf16 rounds it to -9984.0,
+    which would tie with unmasked logits the kernel keeps apart (-inf is held by all)."""
+    return float(torch.tensor(value, dtype=dtype)) == value
+
+
 def _as4d(shape) -> tuple:
     """``shape`` as ``(A, B, sq, sk)``: leading dims folded into A, the one before sq is B."""
     dims = list(shape)
@@ -216,14 +245,24 @@ def _blocks(shape4: tuple, block_elements):
                     yield (a, b, slice(r0, min(r0 + rows, sq)))
 
 
-def _block_elements(device: torch.device, same_dtype: bool):
-    return _CPU_BLOCK_ELEMENTS if device.type == "cpu" and not same_dtype else None
+def _block_elements(device: torch.device, numel: int) -> int:
+    """Elements of the fp32 workspace block (see the note above ``_CPU_BLOCK_ELEMENTS``)."""
+    return _CPU_BLOCK_ELEMENTS if device.type == "cpu" else _gpu_block_elements(numel)
 
 
-def _scaled_softmax_forward(x, scale, mask4, fill, zero_dead_rows):
-    """softmax(masked_fill(x * scale, mask, fill)) with math in the compute dtype.
+def _gpu_block_elements(numel: int) -> int:
+    return max(1, -(-numel // _GPU_BLOCKS))
 
-    ``mask4`` is None or a bool tensor viewable as x's ``(A, B, sq, sk)`` shape.
+
+def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """``[sq, sk]`` bool, True above the diagonal: one plane, broadcast over the batch."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)
+
+
+def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows):
+    """softmax(masked_fill(x * scale, mask, fill)) with the kernels' fp32 math.
+
+    ``mask`` is None or a bool tensor that broadcasts to ``x``'s ``(A, B, sq, sk)`` view.
     ``zero_dead_rows``: rows whose maximum after masking is exactly ``fill`` give zeros.
     """
     compute = _compute_dtype(x)
@@ -233,37 +272,38 @@ def _scaled_softmax_forward(x, scale, mask4, fill, zero_dead_rows):
     shape4 = _as4d(x.shape)
     x4 = x.reshape(shape4)
     out4 = out.view(shape4)
-    same = compute == x.dtype
     inplace = _inplace_kernels_ok(x.device)
-    block_elements = _block_elements(x.device, same)
+    if _exact_in_input_dtype(x.dtype, scale) and _holds_exactly(x.dtype, fill):
+        _fill_scaled_softmax_(out4, x4, scale, mask, fill, zero_dead_rows, inplace)
+        return out
     workspace = None
-    for idx in _blocks(shape4, block_elements):
+    for idx in _blocks(shape4, _block_elements(x.device, x.numel())):
         xb = x4[idx]
-        ob = out4[idx]
-        if same:
-            work = ob
-            torch.mul(xb, scale, out=work)
-        else:
-            if workspace is None:  # the first block is the largest
-                workspace = torch.empty(xb.numel(), dtype=compute, device=x.device)
-            work = workspace[: xb.numel()].view(xb.shape)
-            work.copy_(xb)
-            if scale != 1.0:
-                work.mul_(scale)
-        if mask4 is not None:
-            work.masked_fill_(mask4[idx], fill)
-        dead = work.amax(-1, keepdim=True) == fill if zero_dead_rows else None
-        _softmax_(work, inplace)
-        if dead is not None:
-            work.masked_fill_(dead, 0.0)
-        if work is not ob:
-            ob.copy_(work)
+        if workspace is None:  # the first block is the largest
+            workspace = torch.empty(xb.numel(), dtype=compute, device=x.device)
+        work = workspace[: xb.numel()].view(xb.shape)
+        mb = None if mask is None else mask.expand(shape4)[idx]
+        _fill_scaled_softmax_(work, xb, scale, mb, fill, zero_dead_rows, inplace)
+        out4[idx].copy_(work)
     return out
 
 
+def _fill_scaled_softmax_(work, x, scale, mask, fill, zero_dead_rows, inplace):
+    """``work = softmax(masked_fill(x * scale, mask, fill))``, all of it inside ``work``."""
+    if scale == 1.0:
+        work.copy_(x)
+    else:
+        torch.mul(x, scale, out=work)
+    if mask is not None:
+        work.masked_fill_(mask, fill)
+    dead = work.amax(-1, keepdim=True) == fill if zero_dead_rows else None
+    _softmax_(work, inplace)
+    if dead is not None:
+        work.masked_fill_(dead, 0.0)
+
+
 def _scaled_softmax_backward(g, y, scale):
-    """``scale * (y*g - y*sum(y*g, -1))`` with math in the compute dtype, in y's dtype."""
-    compute = _compute_dtype(y)
+    """``scale * (y*g - y*sum(y*g, -1))`` with the kernels' fp32 math, in y's dtype."""
     gi = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     if y.numel() == 0:
         return gi
@@ -271,31 +311,30 @@ def _scaled_softmax_backward(g, y, scale):
     g4 = g.reshape(shape4)
     y4 = y.reshape(shape4)
     gi4 = gi.view(shape4)
-    same = compute == y.dtype
     inplace = _inplace_kernels_ok(y.device)
-    block_elements = _block_elements(y.device, same)
+    if _exact_in_input_dtype(y.dtype, scale):
+        if inplace:
+            torch.ops.aten._softmax_backward_data.out(g4, y4, -1, y.dtype, grad_input=gi4)
+        else:
+            gi4.copy_(torch._softmax_backward_data(g4, y4, -1, y.dtype))
+        if scale != 1.0:
+            gi4.mul_(scale)
+        return gi
+    compute = _compute_dtype(y)
     wg = wy = None
-    for idx in _blocks(shape4, block_elements):
+    for idx in _blocks(shape4, _block_elements(y.device, y.numel())):
         gb = g4[idx]
         yb = y4[idx]
-        ob = gi4[idx]
-        if same:
-            work, ysrc = ob, yb
-            torch.mul(gb, scale, out=work)
-        else:
-            if wg is None:  # the first block is the largest
-                wg = torch.empty(yb.numel(), dtype=compute, device=y.device)
-                wy = torch.empty(yb.numel(), dtype=compute, device=y.device)
-            work = wg[: yb.numel()].view(yb.shape)
-            ysrc = wy[: yb.numel()].view(yb.shape)
-            work.copy_(gb)
-            ysrc.copy_(yb)
-            if scale != 1.0:
-                work.mul_(scale)
+        if wg is None:  # the first block is the largest
+            wg = torch.empty(yb.numel(), dtype=compute, device=y.device)
+            wy = torch.empty(yb.numel(), dtype=compute, device=y.device)
+        work = wg[: yb.numel()].view(yb.shape)
+        ysrc = wy[: yb.numel()].view(yb.shape)
         # The result is linear in g, so scaling g first equals scaling the result.
+        torch.mul(gb, scale, out=work)
+        ysrc.copy_(yb)
         _softmax_backward_(work, ysrc, inplace)
-        if work is not ob:
-            ob.copy_(work)
+        gi4[idx].copy_(work)
     return gi
 
 
@@ -316,10 +355,8 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
         scale = _scale_value(scale)
         if inputs.dim() < 2:
             raise ValueError("causal softmax needs an input of at least 2 dimensions [..., sq, sk]")
-        sq, sk = inputs.shape[-2], inputs.shape[-1]
-        causal = torch.ones(sq, sk, dtype=torch.bool, device=inputs.device).triu_(1)
-        mask4 = causal.expand(_as4d(inputs.shape))
-        y = _scaled_softmax_forward(inputs, scale, mask4, float("-inf"), False)
+        causal = _causal_mask(inputs.shape[-2], inputs.shape[-1], inputs.device)
+        y = _scaled_softmax_forward(inputs, scale, causal, float("-inf"), False)
         ctx.scale = scale
         ctx.save_for_backward(y)
         return y
@@ -346,7 +383,8 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
         else:
             if mask.dtype != torch.bool:
                 mask = mask != 0
-            mask4 = mask.expand(inputs.shape).reshape(_as4d(inputs.shape))
+            # A view that broadcasts over (A, B, sq, sk); never a full-size copy of the mask.
+            mask4 = mask.expand(inputs.shape).reshape(_as4d(inputs.shape)) if mask.dim() > 4 else mask
             y = _scaled_softmax_forward(
                 inputs, scale, mask4, MASKED_VALUE, FULLY_MASKED_ROWS_ARE_ZERO
             )
@@ -462,11 +500,44 @@ class FusedRMSNormAffineFunction:
         )
 
 
+# Per device type: whether ``torch.addmm(..., out_dtype=, out=)`` (aten::addmm.dtype_out)
+# runs there and gives the right numbers.  torch 2.13 registers it for GPU backends only.
+_ADDMM_OUT_DTYPE_OK = {}
+
+
+def _addmm_out_dtype_ok(device: torch.device) -> bool:
+    """Checked once per device type on a small product against fp64; False where missing."""
+    key = device.type
+    if key not in _ADDMM_OUT_DTYPE_OK:
+        ok = False
+        try:
+            a = torch.arange(-6, 6, device=device, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)
+            b = torch.arange(-4, 4, device=device, dtype=torch.float32).reshape(4, 2).to(torch.bfloat16)
+            acc = torch.full((3, 2), 0.5, device=device, dtype=torch.float32)
+            want = acc.double() + a.double() @ b.double()
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = acc.dtype == torch.float32 and bool(torch.equal(acc.double(), want))
+        except Exception:  # not registered for this backend, or an older torch
+            ok = False
+        _ADDMM_OUT_DTYPE_OK[key] = ok
+    return _ADDMM_OUT_DTYPE_OK[key]
+
+
 def _wgrad_gemm_accum(total_input, grad_output, main_grad):
-    """``main_grad += grad_output^T @ total_input`` in main_grad's dtype, in place."""
+    """``main_grad += grad_output^T @ total_input``, in place, with no fp32 copy of an operand.
+
+    Where the device has aten's mixed-dtype GEMM the product accumulates straight into the
+    fp32 ``main_grad`` (apex's kernel does the same).  Elsewhere the product is formed in the
+    operands' dtype and added, as upstream does with the fusion turned off.
+    """
     x = total_input.reshape(-1, total_input.shape[-1])
     g = grad_output.reshape(-1, grad_output.shape[-1])
-    main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
+    if x.dtype == main_grad.dtype:
+        main_grad.addmm_(g.t(), x)
+    elif _addmm_out_dtype_ok(main_grad.device):
+        torch.addmm(main_grad, g.t(), x, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(torch.mm(g.t(), x))
 
 
 # Stands in for the apex extension module of the same name.
@@ -526,26 +597,50 @@ fused_mix_prec_layer_norm_cuda = types.SimpleNamespace(
 )
 
 
+def _raise_flag_if_not_finite(noop_flag, values):
+    """``noop_flag = 1`` where ``values`` holds inf/nan, on the device: no host sync."""
+    bad = torch.logical_not(torch.isfinite(values).all()).to(noop_flag.dtype)
+    torch.maximum(noop_flag, bad, out=noop_flag)
+
+
 def _multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """apex ``amp_C.multi_tensor_l2norm``: (total norm [1], per-tensor norms) in fp32."""
+    """apex ``amp_C.multi_tensor_l2norm``: (total norm [1], per-tensor norms) in fp32.
+
+    One ``_foreach_norm`` pass accumulating in fp32 whatever the gradients' dtype, and no
+    host sync however many tensors there are.
+    """
     tensors = tensor_lists[0]
     if not tensors:
         empty = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
         return empty, empty
-    norms = torch.stack([t.float().norm(2) for t in tensors])
-    total = norms.norm(2).reshape(1)
-    if not torch.isfinite(total).all():
-        noop_flag.fill_(1)
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    total = torch.linalg.vector_norm(norms).reshape(1)
+    _raise_flag_if_not_finite(noop_flag, total)
     return total, (norms if per_tensor else torch.zeros(0, device=total.device))
 
 
 def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """apex ``amp_C.multi_tensor_scale``: dst = src * scale; flag non-finite values."""
-    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
-        scaled = src.float() * scale
-        if not torch.isfinite(scaled).all():
-            noop_flag.fill_(1)
-        dst.copy_(scaled)
+    """apex ``amp_C.multi_tensor_scale``: dst = src * scale; flag non-finite values.
+
+    Foreach kernels, in fp32 when either side is fp32 (apex's math), and the overflow flag
+    set on the device: no host sync per tensor or per step.
+    """
+    srcs, dsts = list(tensor_lists[0]), list(tensor_lists[1])
+    if not srcs:
+        return
+    wide = [s for s, d in zip(srcs, dsts) if d.dtype != s.dtype and s.element_size() > d.element_size()]
+    if scale != 1.0 and wide:
+        # fp32 sources into fp16/bf16 destinations: scale in fp32, round once.
+        scaled = torch._foreach_mul(srcs, scale)
+        torch._foreach_copy_(dsts, scaled)
+        _raise_flag_if_not_finite(noop_flag, torch.stack(torch._foreach_norm(scaled, float("inf"))))
+        return
+    if any(s is not d for s, d in zip(srcs, dsts)):
+        torch._foreach_copy_(dsts, srcs)
+    if scale != 1.0:
+        torch._foreach_mul_(dsts, scale)
+    _raise_flag_if_not_finite(
+        noop_flag, torch.stack(torch._foreach_norm(dsts, float("inf"), dtype=torch.float32)))
 
 
 # Stands in for apex's ``amp_C`` extension (the functions Megatron calls).
@@ -560,8 +655,25 @@ def multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
     return op(2048 * 32, noop_flag_buffer, tensor_lists, *args)
 
 
+def _fused_supported(params) -> bool:
+    """Whether torch's fused (single-kernel) optimizer step supports these parameters."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        devices = set(_get_fused_kernels_supported_devices())
+    except Exception:  # older torch
+        return False
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return bool(tensors) and all(
+        isinstance(p, torch.Tensor) and p.is_floating_point() and p.device.type in devices for p in tensors)
+
+
 def _apex_optimizer(base):
-    """A torch optimizer that accepts apex's extra constructor arguments, as apex's fused one did."""
+    """A torch optimizer that accepts apex's extra constructor arguments, as apex's fused one did.
+
+    Its step is torch's fused kernel (``fused=True``) where the parameters' device has one,
+    one kernel per parameter group rather than a Python loop, as apex's was.
+    """
 
     class ApexCompatible(base):
         _APEX_ONLY = ("bias_correction", "adam_w_mode", "set_grad_none", "capturable", "master_weights",
@@ -573,6 +685,9 @@ def _apex_optimizer(base):
                 raise ValueError("adam_w_mode=False (L2 Adam) is not supported by the ROCm port; use AdamW")
             for key in self._APEX_ONLY:
                 kwargs.pop(key, None)
+            params = list(params)
+            if "fused" not in kwargs and "foreach" not in kwargs and _fused_supported(params):
+                kwargs["fused"] = True
             super().__init__(params, *args, **kwargs)
 
     ApexCompatible.__name__ = ApexCompatible.__qualname__ = f"Fused{base.__name__.replace('W', '')}"
