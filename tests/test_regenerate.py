@@ -40,6 +40,10 @@ def test_each_series_carries_its_era_rendering_and_range():
         text = replacement_patch(series).read_text()
         zero = series.fully_masked_rows == "zero"
         body = "".join(line[1:] + "\n" for line in text.split("\n") if line.startswith("+") and not line.startswith("+++"))
-        assert render(fully_masked_rows_are_zero=zero, tree_path=series.replacement) in body
+        rendered = render(fully_masked_rows_are_zero=zero, tree_path=series.replacement,
+                          transformer_engine_imports_guarded=series.transformer_engine_imports_guarded)
+        assert rendered in body
+        guarded = "TRANSFORMER_ENGINE_IMPORTS_GUARDED = True" in body
+        assert guarded == (series.era not in ("E4", "E5")), series.name
         for patch in series.patches:
             assert f"Upstream-Range: {upstream_range(series)}\n" in patch.text()

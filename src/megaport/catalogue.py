@@ -76,6 +76,8 @@ class Series:
     directory: Path
     fully_masked_rows: str
     replacement: str | None
+    # False where upstream's megatron/core imports TransformerEngine layers with no guard.
+    transformer_engine_imports_guarded: bool
     optional: tuple[str, ...]
     tested: tuple[TestedRef, ...]
     recognise: Recognise
@@ -160,6 +162,7 @@ def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
         directory=folder,
         fully_masked_rows=str(entry.get("fully_masked_rows", "zero")),
         replacement=entry.get("replacement"),
+        transformer_engine_imports_guarded=entry.get("transformer_engine_imports", "guarded") != "unguarded",
         optional=tuple(entry.get("optional", ())),
         tested=tuple(
             TestedRef(ref=str(t["ref"]), sha=str(t.get("sha", "")), date=t.get("date"))

@@ -282,10 +282,13 @@ def lint(patches, fmt):
 @click.option("--json", "json_file", metavar="FILE", help="Also write device, tests and summary as JSON ('-' for stdout).")
 @click.option("--junit", "junit_file", metavar="FILE", help="Also write a JUnit XML report (pytest's --junitxml).")
 @click.option("-k", "keyword", metavar="EXPR", help="Run only the tests matching EXPR (pytest's -k).")
+@click.option("--strict", is_flag=True,
+              help="Count every skipped test as a failure (a skip is only ever an optional upstream "
+                   "dependency that is not installed, or a GPU-only check on a CPU).")
 @click.option("--patches", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar="MEGAPORT_PATCHES",
               help="Catalogue that holds the tree's series [env: MEGAPORT_PATCHES].")
 @handle_errors
-def verify(tree, device, json_file, junit_file, keyword, patches):
+def verify(tree, device, json_file, junit_file, keyword, strict, patches):
     """Run the smoke suite against a ported TREE's own code (default: current directory).
 
     \b
@@ -294,14 +297,19 @@ def verify(tree, device, json_file, junit_file, keyword, patches):
     two ranks with the tree's backend (RCCL on ROCm, gloo on CPU) and TP=2 layers,
     and a few steps of a tiny GPT. Runs under pytest in a fresh process.
 
-    Exit 0 when every test that ran passed, 1 when any failed, 2 for usage or
-    environment problems (not a ported tree, no torch, no such device).
+    A failure caused by the port, or by old upstream code that today's torch,
+    NumPy or Python broke (torch._six, np.float, an unguarded TransformerEngine
+    import), fails; every skip is listed with its reason.
+
+    Exit 0 when every test that ran passed (and, with --strict, none skipped),
+    1 when any failed, 2 for usage or environment problems (not a ported tree,
+    no torch, no such device).
     """
     from megaport.commands.verify import VerifyOptions
     from megaport.commands.verify import verify as run_verify
 
     options = VerifyOptions(tree=tree, device=device, json_file=json_file, junit_file=junit_file, keyword=keyword,
-                            patches=str(patches) if patches else None)
+                            strict=strict, patches=str(patches) if patches else None)
     return run_verify(options, _console(json_file))
 
 

@@ -85,8 +85,9 @@ def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
 
 
 def rendered_replacement(series: Series) -> bytes:
-    zero = series.fully_masked_rows == "zero"
-    return render(fully_masked_rows_are_zero=zero, tree_path=series.replacement).encode("utf-8")
+    return render(fully_masked_rows_are_zero=series.fully_masked_rows == "zero",
+                  transformer_engine_imports_guarded=series.transformer_engine_imports_guarded,
+                  tree_path=series.replacement).encode("utf-8")
 
 
 def replacement_patch(series: Series) -> Path:

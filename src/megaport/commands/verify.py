@@ -41,6 +41,7 @@ class VerifyOptions:
     json_file: str | None = None
     junit_file: str | None = None
     keyword: str | None = None
+    strict: bool = False
     patches: str | None = None
     python: str | None = None
 
@@ -185,15 +186,21 @@ def verify(options: VerifyOptions, console) -> int:
         results = _read_results(results_file)
 
     code = _exit_code(proc.returncode, options.keyword)
+    skipped = results["summary"].get("skipped", 0) if results is not None else 0
+    if options.strict and code == 0 and skipped:
+        code = 1
     if results is not None:
         document = {
             "tree": str(tree),
             "device": results["device"],
             "tests": [{k: t[k] for k in ("name", "outcome", "duration", "message") if k in t} for t in results["tests"]],
             "summary": results["summary"],
+            "strict": options.strict,
             "exit_code": code,
         }
         report(console, document, state)
+        if options.strict and skipped:
+            console.print(f"[red]--strict: {skipped} skipped test(s) count as failures[/]")
         write_json(options.json_file, document)
     if code == 2:
         raise MegaportError(_stopped_message(proc.returncode, options.keyword), exit_code=2)

@@ -36,7 +36,8 @@ _RANGE = re.compile(rf"^{TRAILER}:\s*(\S+?)\.\.(\S+)\s*$", re.IGNORECASE)
 _VERSION = re.compile(r"^\d+(\.\d+){0,2}([A-Za-z]+\d*)?$")
 _SHA = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
-_ENTRY_KEYS = {"name", "era", "summary", "fully_masked_rows", "replacement", "optional", "tested", "recognise"}
+_ENTRY_KEYS = {"name", "era", "summary", "fully_masked_rows", "transformer_engine_imports", "replacement", "optional",
+               "tested", "recognise"}
 _RECOGNISE_KEYS = {"core_version", "present", "absent", "contains", "lacks"}
 _IGNORED_DIRS = {"__pycache__"}
 
@@ -111,6 +112,8 @@ def _check_entry(path: Path, number: int, entry: Any, problems: list[Problem]) -
         problems.append(Problem(path, f"{where}: unknown key '{key}'; remove it or fix its spelling"))
     if entry.get("fully_masked_rows", "zero") not in ("zero", "uniform"):
         problems.append(Problem(path, f"{where}: fully_masked_rows must be \"zero\" or \"uniform\""))
+    if entry.get("transformer_engine_imports", "guarded") not in ("guarded", "unguarded"):
+        problems.append(Problem(path, f"{where}: transformer_engine_imports must be \"guarded\" or \"unguarded\""))
     optional = entry.get("optional", [])
     if not _strings(optional):
         problems.append(Problem(path, f"{where}: optional must be a list of paths"))

@@ -39,8 +39,14 @@ import torch
 # it, such a row came out uniform (the softmax of a row of -10000.0).
 FULLY_MASKED_ROWS_ARE_ZERO = True
 
+# Era constant: False for the eras (2023-07 to 2024-06) whose megatron/core imports
+# TransformerEngine layers at module level with no guard; see the section on it below.
+TRANSFORMER_ENGINE_IMPORTS_GUARDED = True
+
 __all__ = [
     "FULLY_MASKED_ROWS_ARE_ZERO",
+    "TRANSFORMER_ENGINE_IMPORTS_GUARDED",
+    "say_once",
     "MASKED_VALUE",
     "ScaledUpperTriangMaskedSoftmax",
     "ScaledMaskedSoftmax",
@@ -117,6 +123,81 @@ def blocked_modules_loaded() -> list:
 
 
 install_import_blocker()
+
+_SAID = set()
+
+
+def say_once(message: str) -> None:
+    """Print one ``> ROCm port:`` line per distinct message, on rank 0 only."""
+    import os
+
+    if message in _SAID or os.environ.get("RANK", "0") != "0":
+        return
+    _SAID.add(message)
+    print(f"> ROCm port: {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------
+# TransformerEngine absent, in the eras that import it unguarded
+# ---------------------------------------------------------------------------------
+
+# From 2023-07 to 2024-06 upstream's attention, transformer block and GPT layer specs import
+# names from this module at module level with no guard, and the module imports
+# transformer_engine first thing: without TransformerEngine (never on ROCm) not even the local,
+# pure-PyTorch model imports.  Later eras guard those imports themselves, with these fallbacks.
+_TE_LAYERS_MODULE = "megatron.core.transformer.custom_layers.transformer_engine"
+# Names upstream tests against None before use: None is its own "no TransformerEngine" value.
+_TE_OPTIONAL = ("SplitAlongDim", "get_cpu_offload_context", "te_checkpoint", "TEDelayedScaling")
+
+
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _te_layers_attribute(name: str):
+    """What ``from <TE layers module> import name`` gives without TransformerEngine."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name in _TE_OPTIONAL:
+        return None
+    if name == "TENorm":  # the final layer norm: apex's FusedLayerNorm, served by this module
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+        return FusedLayerNorm
+
+    def needs_transformer_engine(*args, **kwargs):
+        raise RuntimeError(f"{name} needs TransformerEngine, which is not installed (ROCm has none): "
+                           "use --transformer-impl local")
+
+    if not name[:1].isupper():
+        return needs_transformer_engine
+    return type(name, (), {"__init__": needs_transformer_engine, "__module__": _TE_LAYERS_MODULE})
+
+
+class _TransformerEngineLayersStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the TE layers module as stand-ins when TransformerEngine is not installed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TE_LAYERS_MODULE or _transformer_engine_installed():
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__getattr__ = _te_layers_attribute
+        module.HAVE_TE = False
+        say_once("TransformerEngine is not installed: its layers module gives TENorm as FusedLayerNorm "
+                 "(PyTorch), None for its optional helpers, and TE-only layers that raise if built")
+
+
+if not TRANSFORMER_ENGINE_IMPORTS_GUARDED:
+    sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
 
 # ---------------------------------------------------------------------------------
 # Fused softmax replacements

@@ -8,6 +8,7 @@ and never supplies an implementation of its own.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -113,6 +114,48 @@ def tree_frame(exc: BaseException, tree: Path) -> str:
             continue  # the blocker refusing: the importing line is the frame before it
         found = f"{rel}:{frame.lineno}: {(frame.line or '').strip()}"
     return found
+
+
+# The stack a ported tree must run on (Python 3.12, torch >= 2.6, NumPy 2): an API of these that
+# old upstream code needs but today's release removed (torch._six, np.float, ...) is the port's to
+# fix, never a dependency the user lacks.
+TARGET_STACK = ("torch", "numpy")
+# Imported by upstream at module level without a guard in some eras; ROCm has no
+# TransformerEngine, so such an import is the port's to guard.
+PORT_GUARDS = ("transformer_engine",)
+
+
+def missing_import_verdict(missing: str) -> tuple[str, str]:
+    """('fail' | 'skip', why) for an import of ``missing`` that failed while importing tree code.
+
+    A skip is only for an optional dependency that is genuinely not installed; a name removed from
+    an installed package of the target stack, or an unguarded TransformerEngine import, fails.
+    """
+    top = missing.partition(".")[0]
+    if top in PORT_GUARDS:
+        return "fail", (f"imports {top} without a guard: ROCm has no TransformerEngine, so the port "
+                        "must guard this import")
+    installed = top == "" or importlib.util.find_spec(top) is not None
+    if top in TARGET_STACK or (installed and top in sys.stdlib_module_names):
+        return "fail", (f"needs {missing}, which today's {top} no longer has: old upstream code the "
+                        "port must update for the target stack")
+    if installed:
+        return "skip", f"needs a newer/different {top} than installed here"
+    return "skip", f"needs {top}, an upstream dependency not installed here"
+
+
+def skip_or_fail_missing(exc: ModuleNotFoundError, what: str):
+    """Turn a failed import of tree code into a skip only for a genuinely absent optional
+    dependency; what the port must fix fails, and a missing megatron or blocked module re-raises."""
+    import pytest
+
+    missing = exc.name or ""
+    if not missing or missing.partition(".")[0] == "megatron" or is_blocked(missing):
+        raise exc
+    verdict, why = missing_import_verdict(missing)
+    if verdict == "fail":
+        pytest.fail(f"{what} {why} ({exc})", pytrace=False)
+    pytest.skip(f"{what} {why} ({exc})")
 
 
 def cuda_only_reason(exc: BaseException, tree: Path) -> str | None:

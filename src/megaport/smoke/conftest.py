@@ -179,10 +179,7 @@ def _import_first_or_skip(names):
     try:
         return _tree.import_first(names)
     except ModuleNotFoundError as exc:
-        missing = (exc.name or "").partition(".")[0]
-        if not missing or missing == "megatron" or _tree.is_blocked(missing):
-            raise
-        pytest.skip(f"the tree needs {missing}, an upstream dependency not installed here ({exc})")
+        _tree.skip_or_fail_missing(exc, "the tree")
 
 
 @pytest.fixture(scope="session")

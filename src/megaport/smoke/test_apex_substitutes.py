@@ -30,9 +30,7 @@ def tree_module(name):
     except ModuleNotFoundError as exc:
         if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
             pytest.skip(f"{name} is not in this tree")
-        if exc.name and _tree.is_blocked(exc.name):
-            raise
-        pytest.skip(f"{name} needs {exc.name}, not installed here")
+        _tree.skip_or_fail_missing(exc, name)
 
 
 def params_and_grads(device, dtype=torch.float32, seed=0):

@@ -70,15 +70,21 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
                         f"(apex/amp_C/*_cuda are not allowed): {where or exc}", pytrace=False)
         if missing.partition(".")[0] == "megatron":
             pytest.fail(f"importing {name} fails inside the tree: {exc} ({where})", pytrace=False)
-        pytest.skip(f"needs {missing.partition('.')[0]}, an upstream dependency not installed here "
-                    f"({where or exc})")
+        verdict, why = _tree.missing_import_verdict(missing)
+        if verdict == "fail":
+            pytest.fail(f"importing {name} {why} ({where or exc})", pytrace=False)
+        pytest.skip(f"{why} ({where or exc})")
     except ImportError as exc:
         culprit = exc.name or ""
         where = _tree.tree_frame(exc, smoke.tree)
         if _tree.is_blocked(culprit):
             pytest.fail(f"importing {name} reached {culprit}: {exc} ({where})", pytrace=False)
         if culprit and culprit.partition(".")[0] != "megatron":
-            pytest.skip(f"needs a newer/different {culprit.partition('.')[0]} than installed here: {exc}")
+            verdict, why = _tree.missing_import_verdict(culprit)
+            if verdict == "fail":
+                pytest.fail(f"importing {name}: {exc}; {culprit} is part of the target stack, so old "
+                            f"upstream code the port must update ({where})", pytrace=False)
+            pytest.skip(f"{why}: {exc}")
         pytest.fail(f"importing {name} failed: {exc} ({where})", pytrace=False)
     except RuntimeError as exc:
         where = _tree.tree_frame(exc, smoke.tree)
