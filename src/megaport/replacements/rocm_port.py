@@ -47,6 +47,8 @@ __all__ = [
     "FULLY_MASKED_ROWS_ARE_ZERO",
     "TRANSFORMER_ENGINE_IMPORTS_GUARDED",
     "say_once",
+    "local_spec_without_transformer_engine",
+    "switch_off_rope_fusion",
     "MASKED_VALUE",
     "ScaledUpperTriangMaskedSoftmax",
     "ScaledMaskedSoftmax",
@@ -198,6 +200,43 @@ class _TransformerEngineLayersStandIn(importlib.abc.MetaPathFinder, importlib.ab
 
 if not TRANSFORMER_ENGINE_IMPORTS_GUARDED:
     sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
+
+
+def switch_off_rope_fusion(config) -> bool:
+    """``apply_rope_fusion`` (on by default) needs TransformerEngine's fused RoPE kernel, which
+    ROCm lacks: turn it off on ``config`` and say so once, where upstream raised."""
+    config.apply_rope_fusion = False
+    say_once("apply_rope_fusion (on by default) needs TransformerEngine's fused RoPE kernel: "
+             "switched off, RoPE runs unfused in PyTorch")
+    return True
+
+
+def local_spec_without_transformer_engine(te_spec, local_spec):
+    """``te_spec`` where TransformerEngine is installed; otherwise ``local_spec``, said once.
+
+    ``--transformer-impl transformer_engine`` is upstream's default and every example script's;
+    ROCm has no TransformerEngine, so the same model is built from Megatron's local PyTorch
+    layers (with this module's softmax and layer norm).  Arguments are passed on by name; a
+    TE-only option that is switched on is an error, not silently dropped.
+    """
+    import functools
+    import inspect
+
+    @functools.wraps(te_spec)
+    def spec(*args, **kwargs):
+        if _transformer_engine_installed():
+            return te_spec(*args, **kwargs)
+        given = inspect.signature(te_spec).bind(*args, **kwargs).arguments
+        accepted = inspect.signature(local_spec).parameters
+        te_only = sorted(k for k, v in given.items() if k not in accepted and v and k != "fp8")
+        if te_only:
+            raise ValueError(f"{', '.join(te_only)} need(s) TransformerEngine, which is not installed "
+                             "(ROCm has none): turn them off or use --transformer-impl local")
+        say_once("TransformerEngine is not installed: --transformer-impl transformer_engine builds "
+                 "Megatron's local PyTorch layers instead (the same model)")
+        return local_spec(**{k: v for k, v in given.items() if k in accepted})
+
+    return spec
 
 # ---------------------------------------------------------------------------------
 # Fused softmax replacements
