@@ -272,9 +272,23 @@ def report(console, document: dict, state: PortState) -> None:
         lib = info.get("library")
         lib_text = f", {lib[0]} {lib[1] or ''}".rstrip() if lib else ""
         table.add_row(f"2-rank run ({variant})", f"{info.get('requested')} → {info.get('initialised')}{lib_text}")
+    training = device.get("training") or {}
+    if training:
+        table.add_row("training path", escape(f"{training.get('layer_spec')}; {training.get('ddp')}; "
+                                              f"{training.get('optimizer')}"))
+        for line in training.get("log") or []:
+            table.add_row("port log", escape(line.removeprefix("> ROCm port: ")))
     subs = device.get("training_cpu_substitutions")
     if subs:
         table.add_row("training on CPU", "; ".join(subs))
+    parity = device.get("loss_parity")
+    if parity:
+        table.add_row("loss vs upstream", f"max {parity['max_relative_difference']:.2e} relative over "
+                                          f"{parity['steps']} steps, same seed and batches; against "
+                                          f"{escape(parity.get('against', 'upstream, fusions off'))}")
+    not_run = device.get("gpu_only_not_run")
+    if not_run:
+        table.add_row("GPU-only cases", f"{len(not_run)} not run on CPU (deselected)")
     console.print(table)
 
     per_file: dict = {}

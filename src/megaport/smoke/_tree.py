@@ -93,10 +93,12 @@ def import_first(names):
 
 def is_under(module, tree: Path) -> bool:
     location = getattr(module, "__file__", None)
-    if location is None:
-        return False
+    return location is not None and is_under_path(Path(location), tree)
+
+
+def is_under_path(path: Path, tree: Path) -> bool:
     try:
-        Path(location).resolve().relative_to(tree.resolve())
+        path.resolve().relative_to(tree.resolve())
         return True
     except ValueError:
         return False

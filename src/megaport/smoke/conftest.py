@@ -140,12 +140,13 @@ def pytest_collection_modifyitems(config, items):
     smoke = config.stash[_tree.SMOKE_KEY]
     if smoke.gpu:
         return
-    for item in items:
-        marker = item.get_closest_marker("gpu_only")
-        if marker is not None:
-            reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else
-                                                     "a large case kept off the CPU run to keep it fast")
-            item.add_marker(pytest.mark.skip(reason=f"GPU only: {reason}"))
+    # Large cases kept off the CPU run to keep it fast are not run there at all (deselected and
+    # listed in the report), rather than skipped: a CPU run of a healthy tree skips nothing.
+    gpu_only = [item for item in items if item.get_closest_marker("gpu_only") is not None]
+    if gpu_only:
+        items[:] = [item for item in items if item.get_closest_marker("gpu_only") is None]
+        config.hook.pytest_deselected(items=gpu_only)
+        smoke.facts["gpu_only_not_run"] = [item.nodeid for item in gpu_only]
 
 
 def pytest_collection_finish(session):

@@ -1,0 +1,422 @@
+"""A few training steps of a small GPT through upstream's own megatron.core builders.
+
+One harness for three users: the training smoke test (the loss must fall), the loss-parity test
+(the ported tree against the unported upstream tree with its fusions turned off, same seed and
+batches) and ``megaport bench --train`` (ms/iter, tokens/s, peak memory, side by side). It runs in
+a fresh interpreter with the tree first on sys.path, so two trees never share a process:
+
+    python -m megaport.smoke._gpt --tree DIR --mode ported|fusions-off [--device cpu|cuda] ...
+
+and prints one JSON document on its last line of stdout.
+
+What it builds is what upstream's training builds from megatron.core: TransformerConfig with the
+fusions of the chosen mode, the GPT layer spec upstream's default ``--transformer-impl`` picks
+(TransformerEngine's, which the port serves with local layers; the local one with fusions off),
+GPTModel, megatron.core's DistributedDataParallel with an fp32 gradient buffer, and the
+optimizer from ``get_megatron_optimizer`` (bf16 params with fp32 main params, grad clipping).
+
+Modes:
+- ``ported``: upstream's CLI defaults, i.e. every fusion on (masked softmax, bias-GeLU,
+  bias-dropout-add, persistent layer norm, gradient-accumulation fusion, RoPE fusion) and the
+  era's default ``--transformer-impl`` (see default_transformer_impl).
+- ``fusions-off``: what a ROCm user without megaport runs: ``--no-masked-softmax-fusion
+  --no-gradient-accumulation-fusion --no-persist-layer-norm --no-bias-gelu-fusion
+  --no-bias-dropout-fusion --no-rope-fusion`` with the local transformer implementation.
+
+On CPU, upstream's CUDA-only plumbing gets the smallest substitutions, each reported under
+``substitutions``: the global memory buffer allocates on the CPU and the CUDA RNG tracker's fork()
+is a no-op (dropout is 0, so no random numbers are drawn in it). No code the port changed is
+substituted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import inspect
+import io
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+MODES = ("ported", "fusions-off")
+FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
+           "persist_layer_norm", "gradient_accumulation_fusion", "apply_rope_fusion")
+
+
+@dataclasses.dataclass
+class Run:
+    """Sizes and schedule of one run; the defaults are a tiny model that trains in seconds on CPU."""
+
+    tree: str
+    mode: str = "ported"
+    device: str = "cpu"
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    seq: int = 64
+    batch: int = 4
+    vocab: int = 128
+    steps: int = 12
+    warmup: int = 2
+    lr: float = 1e-3
+    seed: int = 1234
+    dtype: str = "bf16"
+    position_embedding: str = "learned_absolute"
+
+
+def _filtered(cls, wanted: dict) -> dict:
+    """The entries of ``wanted`` that ``cls`` (a dataclass or callable) accepts in this era."""
+    if dataclasses.is_dataclass(cls):
+        known = {f.name for f in dataclasses.fields(cls)}
+    else:
+        known = set(inspect.signature(cls).parameters)
+    return {k: v for k, v in wanted.items() if k in known}
+
+
+def _batches(run: Run, torch):
+    """Mock data, the same for every tree: runs of consecutive tokens with random starts, which a
+    model learns within a few steps (so the loss falls), one fresh batch per step."""
+    gen = torch.Generator().manual_seed(run.seed)
+    steps = torch.arange(run.seq + 1)
+    for _ in range(run.steps):
+        start = torch.randint(0, run.vocab, (run.batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (run.batch, 1), generator=gen)
+        seqs = (start + stride * steps) % run.vocab
+        yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+
+@contextlib.contextmanager
+def cpu_plumbing(parallel_state, tensor_parallel, torch, substitutions: list):
+    """The CPU substitutions described in the module docstring, undone afterwards."""
+    buffer = parallel_state.get_global_memory_buffer()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+
+    def get_tensor(tensor_shape, dtype, name, *args, **kwargs):
+        numel = 1
+        for d in tensor_shape:
+            numel *= int(d)
+        held = buffer.buffer.get((name, dtype))
+        if held is None or held.numel() < numel:
+            held = buffer.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        return held[:numel].view(*tensor_shape)
+
+    buffer.get_tensor = get_tensor
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    substitutions += ["parallel_state GlobalMemoryBuffer on CPU", "CUDA RNG tracker fork() no-op (dropout 0)"]
+    try:
+        yield
+    finally:
+        del buffer.get_tensor
+        del tracker.fork
+
+
+@contextlib.contextmanager
+def cpu_device_placement(torch, substitutions: list):
+    """Upstream's ``device=torch.cuda.current_device()`` / ``'cuda'`` allocations land on the CPU.
+
+    A TorchFunctionMode rewrites the ``device`` argument of tensor factories and ``.to()``/
+    ``.cuda()`` calls; ``torch.cuda.current_device()`` answers ``"cpu"`` (upstream passes it as a
+    ``device=``, also from backward passes, where no function mode is active). Only placement
+    changes: every computation is the tree's.
+    """
+    from torch.overrides import TorchFunctionMode
+
+    def on_gpu(value) -> bool:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if isinstance(value, str):
+            return value.startswith("cuda")
+        return isinstance(value, torch.device) and value.type == "cuda"
+
+    class ToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                # Upstream's type checks ask for 'torch.cuda.BFloat16Tensor' and the like.
+                return func(*args).replace("torch.", "torch.cuda.", 1)
+            if on_gpu(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.to and len(args) > 1 and on_gpu(args[1]):
+                args = (args[0], "cpu") + tuple(args[2:])
+            return func(*args, **kwargs)
+
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    note = ("tensors upstream places on 'cuda' are placed on the CPU, and Tensor.type() names "
+            "them torch.cuda.* for upstream's type checks")
+    if note not in substitutions:
+        substitutions.append(note)
+    try:
+        with ToCpu():
+            yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def _has_ddp_config() -> bool:
+    try:
+        return hasattr(importlib.import_module("megatron.core.distributed"), "DistributedDataParallelConfig")
+    except ModuleNotFoundError:
+        return False
+
+
+def _config(run: Run, torch, facts: dict):
+    tc = importlib.import_module("megatron.core.transformer.transformer_config")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[run.dtype]
+    on = run.mode == "ported"
+    wanted = dict(
+        num_layers=run.layers, hidden_size=run.hidden, num_attention_heads=run.heads,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=run.dtype == "bf16", params_dtype=dtype, pipeline_dtype=dtype,
+        **{name: on for name in FUSIONS},
+    )
+    if not on:
+        wanted["apply_rope_fusion"] = False
+    if not _has_ddp_config():  # the fusion accumulates into DDP's main_grad buffers
+        wanted["gradient_accumulation_fusion"] = False
+        facts["gradient_accumulation_fusion"] = "off: this era's megatron.core has no DDP with main_grad buffers"
+    accepted = _filtered(tc.TransformerConfig, wanted)
+    facts["fusions"] = {k: v for k, v in accepted.items() if k in FUSIONS}
+    config = tc.TransformerConfig(**accepted)
+    # What __post_init__ or the port switched off, e.g. RoPE fusion without TransformerEngine.
+    facts["fusions_after_config"] = {k: getattr(config, k) for k in facts["fusions"]}
+    return config, dtype
+
+
+_IMPL_DEFAULT = re.compile(
+    r"""--transformer-impl['"],\s*default=['"](\w+)|transformer_impl:[^=\n]*=\s*['"](\w+)""")
+
+
+def default_transformer_impl(tree: str) -> tuple[str, str]:
+    """(upstream's default ``--transformer-impl`` for this tree, where that came from).
+
+    Read from the tree's argument definitions; PyPI's megatron-core has none, and then the era
+    tells: the eras that import TransformerEngine unguarded (2023-07 to 2024-06) defaulted to
+    'local', later ones to 'transformer_engine'.
+    """
+    for rel in ("megatron/training/arguments.py", "megatron/arguments.py",
+                "megatron/training/config/common_config.py", "megatron/training/config/model_config.py"):
+        path = os.path.join(tree, rel)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                match = _IMPL_DEFAULT.search(f.read())
+            if match:
+                return match.group(1) or match.group(2), rel
+    rocm_port = sys.modules.get("megatron.core.rocm_port")
+    if rocm_port is not None and not getattr(rocm_port, "TRANSFORMER_ENGINE_IMPORTS_GUARDED", True):
+        return "local", "the era (TransformerEngine imported unguarded; no arguments.py in the tree)"
+    return "transformer_engine", "the era (no arguments.py in the tree)"
+
+
+def _layer_spec(run: Run, facts: dict):
+    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    impl, source = default_transformer_impl(run.tree)
+    facts["transformer_impl_default"] = {"value": impl, "from": source}
+    if run.mode == "ported" and impl == "transformer_engine" and hasattr(
+            specs, "get_gpt_layer_with_transformer_engine_spec"):
+        facts["layer_spec"] = "get_gpt_layer_with_transformer_engine_spec (upstream's default transformer_impl)"
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    facts["layer_spec"] = "get_gpt_layer_local_spec"
+    return specs.get_gpt_layer_local_spec()
+
+
+def _wrap_ddp(config, model, facts: dict):
+    """megatron.core's DDP with an fp32 gradient buffer (main_grad), where the era has its config."""
+    try:
+        ddp_mod = importlib.import_module("megatron.core.distributed")
+    except ModuleNotFoundError:
+        ddp_mod = None
+    ddp_config_cls = getattr(ddp_mod, "DistributedDataParallelConfig", None)
+    if ddp_config_cls is None:
+        facts["ddp"] = "none in this era: plain autograd gradients"
+        return model, False
+    ddp_config = ddp_config_cls(**_filtered(ddp_config_cls, dict(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)))
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    groups = dict(data_parallel_group=parallel_state.get_data_parallel_group())
+    if hasattr(parallel_state, "get_data_modulo_expert_parallel_group"):
+        groups["expert_data_parallel_group"] = parallel_state.get_data_modulo_expert_parallel_group()
+    ddp = ddp_mod.DistributedDataParallel(**_filtered(ddp_mod.DistributedDataParallel, dict(
+        config=config, ddp_config=ddp_config, module=model, **groups)))
+    facts["ddp"] = "megatron.core.distributed.DistributedDataParallel (fp32 grad buffer)"
+    return ddp, True
+
+
+def _optimizer(run: Run, model, dtype, facts: dict, torch):
+    try:
+        opt_mod = importlib.import_module("megatron.core.optimizer")
+    except ModuleNotFoundError:
+        opt_mod = None
+    if opt_mod is None or not hasattr(opt_mod, "OptimizerConfig"):
+        facts["optimizer"] = "torch.optim.Adam (this era's megatron.core has no optimizer builder)"
+        return torch.optim.Adam(model.parameters(), lr=run.lr), False
+    config = opt_mod.OptimizerConfig(**_filtered(opt_mod.OptimizerConfig, dict(
+        optimizer="adam", lr=run.lr, min_lr=run.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+        bf16=run.dtype == "bf16", params_dtype=dtype, clip_grad=1.0, use_distributed_optimizer=False)))
+    optimizer = opt_mod.get_megatron_optimizer(config, [model])
+    facts["optimizer"] = f"get_megatron_optimizer -> {type(optimizer).__name__}"
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None:
+        facts["optimizer"] += f" ({type(inner).__module__}.{type(inner).__name__})"
+    return optimizer, True
+
+
+def _peak_memory(torch, gpu: bool) -> int:
+    if gpu:
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def train(run: Run) -> dict:
+    """Build, train ``run.steps`` steps, and return losses, timings, memory and what was used."""
+    import torch
+    import torch.distributed as dist
+
+    gpu = run.device != "cpu"
+    facts: dict = {"mode": run.mode, "device": run.device, "substitutions": []}
+    sys.path.insert(0, run.tree)
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
+    facts["megatron_core"] = sys.modules["megatron.core"].__file__
+    store = tempfile.mkdtemp(prefix="megaport-gpt-")
+    backend = "nccl" if gpu else "gloo"
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=300))
+    parallel_state.initialize_model_parallel(1, 1)
+    if gpu:
+        tensor_parallel.model_parallel_cuda_manual_seed(run.seed)
+    torch.manual_seed(run.seed)
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+
+    placement = contextlib.ExitStack()
+    if not gpu:
+        placement.enter_context(cpu_device_placement(torch, facts["substitutions"]))
+    with placement:
+        return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
+
+
+def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts) -> dict:
+    config, dtype = _config(run, torch, facts)
+    gpt = importlib.import_module("megatron.core.models.gpt.gpt_model")
+    spec = _layer_spec(run, facts)
+    model = gpt.GPTModel(**_filtered(gpt.GPTModel, dict(
+        config=config, transformer_layer_spec=spec, vocab_size=run.vocab, max_sequence_length=run.seq,
+        position_embedding_type=run.position_embedding)))
+    model = model.to(device=device, dtype=dtype)
+    model, has_ddp = _wrap_ddp(config, model, facts)
+    optimizer, megatron_optimizer = _optimizer(run, model, dtype, facts, torch)
+
+    position_ids = torch.arange(run.seq, device=device).unsqueeze(0).expand(run.batch, run.seq)
+    causal = torch.tril(torch.ones(run.seq, run.seq, dtype=torch.bool, device=device))
+    attention_mask = (~causal).view(1, 1, run.seq, run.seq)
+    losses, times, grad_norms = [], [], []
+    plumbing = contextlib.nullcontext() if gpu else cpu_plumbing(parallel_state, tensor_parallel, torch,
+                                                                 facts["substitutions"])
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    with plumbing:
+        for tokens, labels in _batches(run, torch):
+            tokens, labels = tokens.to(device), labels.to(device)
+            if gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            if has_ddp:
+                model.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = model(tokens, position_ids, attention_mask, labels=labels).float().mean()
+            loss.backward()
+            if has_ddp and hasattr(model, "finish_grad_sync"):
+                model.finish_grad_sync()
+            result = optimizer.step()
+            if megatron_optimizer and isinstance(result, tuple) and len(result) > 1 and result[1] is not None:
+                grad_norms.append(float(result[1]))
+            value = loss.item()
+            if gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(value)
+    timed = times[run.warmup:] or times
+    ms = 1000 * statistics.median(timed)
+    document = {
+        "run": dataclasses.asdict(run),
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "ms_per_iter": ms,
+        "tokens_per_s": run.batch * run.seq / (ms / 1000),
+        "peak_memory_bytes": _peak_memory(torch, gpu),
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if gpu else "process max RSS",
+        "torch": torch.__version__,
+        **facts,
+    }
+    dist.destroy_process_group()
+    return document
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = Run(tree="")
+    parser.add_argument("--tree", required=True)
+    parser.add_argument("--mode", choices=MODES, default=defaults.mode)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device)
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "steps", "warmup", "seed"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults.dtype)
+    parser.add_argument("--position-embedding", choices=("learned_absolute", "rope"),
+                        default=defaults.position_embedding)
+    args = vars(parser.parse_args(argv))
+    args["position_embedding"] = args.pop("position_embedding")
+    document = train(Run(**args))
+    sys.stdout.write("\n" + json.dumps(document) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    sys.exit(main())
+
+
+def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float = 900, **sizes) -> dict:
+    """Run the harness on ``tree`` in a fresh interpreter: its JSON document, or a RuntimeError
+    with the tail of its output."""
+    import subprocess
+
+    command = [sys.executable, "-m", "megaport.smoke._gpt", "--tree", str(tree), "--mode", mode]
+    for name, value in sizes.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    env = dict(os.environ if env is None else env)
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
+                          stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    last = proc.stdout.strip().rsplit("\n", 1)[-1] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or not last.startswith("{"):
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        raise RuntimeError(f"training run on {tree} ({mode}) exited {proc.returncode}:\n{tail}")
+    document = json.loads(last)
+    document["log"] = [line for line in proc.stdout.splitlines() if line.startswith("> ROCm port:")]
+    return document
+
+
+def export_upstream(tree, sha: str, dest) -> None:
+    """The unported upstream commit of a ported tree (its megatron/ folder and top-level scripts),
+    written to ``dest`` from the tree's own git objects: nothing in the tree changes."""
+    archive = subprocess.run(["git", "-C", str(tree), "archive", "--format=tar", sha],
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
