@@ -343,14 +343,42 @@ def doctor(json_file):
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="CPU threads for torch (torch.set_num_threads); default: torch's own choice.")
 @click.option("--json", "json_file", metavar="FILE", help="Also write the measurements as JSON ('-' for stdout).")
+@click.option("--train", is_flag=True,
+              help="Benchmark training instead: the port against upstream with its fusions off.")
+@click.option("--layers", type=click.IntRange(1), help="--train: transformer layers [GPU 8, CPU 2].")
+@click.option("--hidden", type=click.IntRange(1), help="--train: hidden size [GPU 2048, CPU 256].")
+@click.option("--heads", type=click.IntRange(1), help="--train: attention heads [GPU 16, CPU 4].")
+@click.option("--seq", type=click.IntRange(1), help="--train: sequence length [GPU 2048, CPU 512].")
+@click.option("--batch", type=click.IntRange(1), help="--train: micro-batch size [GPU 4, CPU 2].")
+@click.option("--steps", type=click.IntRange(2), help="--train: training steps per run [GPU 30, CPU 12].")
+@click.option("--warmup", type=click.IntRange(0), help="--train: steps left out of the timing [GPU 5, CPU 2].")
+@click.option("--rounds", type=click.IntRange(1, 100), default=1, show_default=True,
+              help="--train: runs of each side, alternating which goes first; medians are reported.")
 @handle_errors
-def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file):
-    """Time the tree's replacement softmax against upstream's torch fallback.
+def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, train, layers, hidden, heads,
+          seq, batch, steps, warmup, rounds):
+    """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
+    training against upstream with its fusions off.
 
-    Both from the TREE's own FusedScaleMaskSoftmax: its fused path (the port's
-    replacement) and forward_torch_softmax (upstream's fallback), forward + backward,
-    medians over interleaved runs, and peak memory of each. Measures; never asserts.
+    \b
+    Softmax: both from the TREE's own FusedScaleMaskSoftmax: its fused path (the
+    port's replacement) and forward_torch_softmax (upstream's fallback), forward +
+    backward, medians over interleaved runs, peak memory, and achieved bandwidth
+    against a plain copy of the same tensors.
+    \b
+    --train: a GPT through upstream's megatron.core builders, on the ported tree with
+    upstream's default fusions and on the tree's upstream commit with the fusions off
+    (exported next to it; the tree is not touched), same seed and batches: ms/iter,
+    tokens/s, peak memory, the loss per step, and the ratios.
+    \b
+    Measures; never asserts.
     """
+    if train:
+        from megaport.commands.bench_train import TrainBenchOptions, bench_train
+
+        sizes = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, steps=steps, warmup=warmup)
+        return bench_train(TrainBenchOptions(tree=tree, device=device, sizes=sizes, rounds=rounds,
+                                             json_file=json_file), _console(json_file))
     from megaport.commands.bench import BenchOptions
     from megaport.commands.bench import bench as run_bench
 

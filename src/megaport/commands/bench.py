@@ -1,5 +1,9 @@
 """``megaport bench``: the tree's replacement softmax against upstream's own torch fallback.
 
+It also times a plain copy of the input on the same device and reports each variant's achieved
+bandwidth (the least traffic fwd+bwd must move, over its time) as a fraction of the copy's, and
+peak extra memory as a multiple of the input's size.
+
 Both variants are the tree's FusedScaleMaskSoftmax: ``forward_fused_softmax`` (what the port's
 replacement functions run) and ``forward_torch_softmax`` (upstream's fallback path), forward and
 backward, on the device, in a fresh process with the tree first on the path (smoke/_bench.py).
@@ -121,6 +125,24 @@ def _memory_runs(python, tree, kind, shape_text, dtypes, mask, env) -> dict:
     return out
 
 
+# Bytes fwd+bwd must move at the least, in units of the input's size: forward reads x and writes
+# y; backward reads the gradient and y and writes dx. A copy moves 2 (read and write).
+MIN_TRAFFIC = 5
+
+
+def _bandwidth(timing: dict) -> dict:
+    """Achieved bandwidth of each variant (minimum traffic / time) against a plain copy's."""
+    size = timing["input_bytes"]
+    copy_ms = timing["ms"]["copy"]
+    copy_gbps = 2 * size / (copy_ms / 1000) / 1e9
+    out = {"copy_ms": round(copy_ms, 3), "copy_gbps": round(copy_gbps, 2), "input_mib": round(size / 2**20, 2)}
+    for key, variant in (("replacement", "fused"), ("upstream_torch", "torch")):
+        gbps = MIN_TRAFFIC * size / (timing["ms"][variant] / 1000) / 1e9
+        out[f"{key}_gbps"] = round(gbps, 2)
+        out[f"{key}_bandwidth_vs_copy"] = round(gbps / copy_gbps, 3)
+    return out
+
+
 def _load() -> list[float] | None:
     try:
         return [round(v, 2) for v in os.getloadavg()]
@@ -172,12 +194,17 @@ def bench(options: BenchOptions, console) -> int:
             "upstream_torch_min_ms": round(min(timing["samples_ms"]["torch"]), 3),
             "samples_ms": {k: [round(v, 3) for v in vs] for k, vs in timing["samples_ms"].items()},
             "threads": timing.get("threads"),
+            **_bandwidth(timing),
         }
         if peak:
             row["replacement_peak_mib"] = round(peak["fused"], 1) if peak.get("fused") is not None else None
             row["upstream_torch_peak_mib"] = round(peak["torch"], 1) if peak.get("torch") is not None else None
             if row["replacement_peak_mib"] is not None and row["upstream_torch_peak_mib"]:
                 row["memory_ratio"] = round(row["replacement_peak_mib"] / row["upstream_torch_peak_mib"], 3)
+            input_mib = timing["input_bytes"] / 2**20
+            for key in ("replacement", "upstream_torch"):
+                if row.get(f"{key}_peak_mib") is not None:
+                    row[f"{key}_extra_memory_x_input"] = round(row[f"{key}_peak_mib"] / input_mib, 2)
         rows.append(row)
     load_after = _load()
     document = {
@@ -220,6 +247,18 @@ def _table(console, document: dict) -> None:
                       fmt(row.get("replacement_peak_mib"), "{:.1f}"),
                       fmt(row.get("upstream_torch_peak_mib"), "{:.1f}"), fmt(row.get("memory_ratio"), "{:.2f}x"))
     console.print(table)
+    traffic = Table(title=f"against a plain copy of the input ({MIN_TRAFFIC}x the input moved fwd+bwd at the "
+                          "least, 2x by a copy); extra memory as a multiple of the input", title_justify="left")
+    for column in ("dtype", "input MiB", "copy GB/s", "replacement GB/s", "replacement vs copy",
+                   "upstream GB/s", "upstream vs copy", "replacement extra mem", "upstream extra mem"):
+        traffic.add_column(column, justify="left" if column == "dtype" else "right")
+    for row in document["results"]:
+        traffic.add_row(row["dtype"], fmt(row.get("input_mib"), "{:.1f}"), fmt(row.get("copy_gbps")),
+                        fmt(row.get("replacement_gbps")), fmt(row.get("replacement_bandwidth_vs_copy"), "{:.0%}"),
+                        fmt(row.get("upstream_torch_gbps")), fmt(row.get("upstream_torch_bandwidth_vs_copy"), "{:.0%}"),
+                        fmt(row.get("replacement_extra_memory_x_input"), "{:.2f}x"),
+                        fmt(row.get("upstream_torch_extra_memory_x_input"), "{:.2f}x"))
+    console.print(traffic)
     load = document["load_average"]
     console.print(f"replacement: {document['variants']['replacement']}")
     console.print(f"upstream torch: {document['variants']['upstream_torch']}")

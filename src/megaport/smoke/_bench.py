@@ -96,6 +96,17 @@ def setup(args, torch):
     return {"fused": fused, "torch": fallback}, x, device
 
 
+def plain_copy(x):
+    """A copy of a tensor of the input's size and dtype: the bandwidth yardstick on this device."""
+    src = x.detach()
+    dst = src.clone()
+
+    def copy():
+        dst.copy_(src)
+
+    return copy
+
+
 def sync(torch, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -103,15 +114,16 @@ def sync(torch, device):
 
 def time_mode(args, torch) -> dict:
     variants, x, device = setup(args, torch)
-    samples = {name: [] for name in variants}
+    timed = {**variants, "copy": plain_copy(x)}
+    samples = {name: [] for name in timed}
     memory = {}
-    order = list(variants)
+    order = list(timed)
     for r in range(args.warmup + args.repeats):
         for name in (order if r % 2 == 0 else order[::-1]):  # interleaved, alternating first
             x.grad = None
             sync(torch, device)
             start = time.perf_counter()
-            variants[name]()
+            timed[name]()
             sync(torch, device)
             if r >= args.warmup:
                 samples[name].append((time.perf_counter() - start) * 1000)
@@ -132,6 +144,7 @@ def time_mode(args, torch) -> dict:
         "peak_mib": memory or None,
         "memory_method": "torch.cuda.max_memory_allocated over the allocation before the run" if memory else None,
         "threads": torch.get_num_threads(),
+        "input_bytes": x.numel() * x.element_size(),
     }
 
 

@@ -420,3 +420,23 @@ def export_upstream(tree, sha: str, dest) -> None:
                              capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
+
+
+def upstream_baseline(tree, sha: str, ported_env: dict, **sizes) -> tuple[dict, str]:
+    """Upstream with its fusions off, on the same sizes: (its run, what it was).
+
+    The unported commit is exported next to the tree and run as a ROCm user without megaport
+    would. Where that commit cannot even import without TransformerEngine (2023-07 to 2024-06),
+    upstream's unfused code paths in the ported tree stand in for it, and the label says so.
+    """
+    with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
+        export_upstream(tree, sha, upstream)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        try:
+            return run_in_subprocess(upstream, "fusions-off", env=env, **sizes), "unported upstream, fusions off"
+        except RuntimeError as exc:
+            if "No module named 'transformer_engine'" not in str(exc):
+                raise
+    document = run_in_subprocess(tree, "fusions-off", env=ported_env, **sizes)
+    return document, ("upstream's unfused code paths in the ported tree (unported upstream imports "
+                      "TransformerEngine unguarded in this era and cannot run without it)")

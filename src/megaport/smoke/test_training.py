@@ -11,7 +11,6 @@ plumbing are listed in the report.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,20 +65,11 @@ def test_loss_matches_upstream_with_fusions_off(smoke, ported_run):
     sha = smoke.state.get("upstream_sha")
     if not sha:
         pytest.fail("the tree records no upstream commit (.git/megaport/state.json)", pytrace=False)
-    with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
-        _gpt.export_upstream(smoke.tree, sha, upstream)
-        try:
-            baseline = _gpt.run_in_subprocess(upstream, "fusions-off", env=_tree.env_with_paths(), steps=STEPS,
-                                              device="cpu" if not smoke.gpu else "cuda")
-            against = "unported upstream, fusions off"
-        except RuntimeError as exc:
-            if "No module named 'transformer_engine'" not in str(exc):
-                pytest.fail(str(exc), pytrace=False)
-            # Upstream of this era cannot even import without TransformerEngine: its unfused code
-            # paths, which run in the ported tree with the fusions off, are the reference then.
-            baseline = _run(smoke, smoke.tree, "fusions-off", smoke.subprocess_env())
-            against = ("upstream's unfused code paths in the ported tree (unported upstream imports "
-                       "TransformerEngine unguarded in this era and cannot run without it)")
+    try:
+        baseline, against = _gpt.upstream_baseline(smoke.tree, sha, smoke.subprocess_env(), steps=STEPS,
+                                                    device="cpu" if not smoke.gpu else "cuda")
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
     ported, base = ported_run["losses"], baseline["losses"]
     assert len(ported) == len(base) >= 10
     worst = max(abs(a - b) / abs(b) for a, b in zip(ported, base))
