@@ -54,6 +54,8 @@ __all__ = [
     "build_upstream_repo",
     "cache_dir",
     "default_repo_dir",
+    "default_repo_dir_py312",
+    "CORE_RELEASES_PY312",
     "dists_dir",
     "download_release",
     "read_release_files",
@@ -112,6 +114,11 @@ GIT_EMAIL = "upstream-from-pypi@megaport.invalid"
 _EPOCH_BASE = 1577836800
 
 _SKIP_SUFFIXES = (".so", ".pyd", ".pyc", ".pyo", ".dll", ".dylib")
+
+# megatron-core releases that need Python >= 3.12 (typing.override), oldest first; their wheels
+# also ship upstream's megatron/training. Built into their own repository
+# (:func:`default_repo_dir_py312`), since a 3.11 interpreter cannot import them.
+CORE_RELEASES_PY312: List[str] = ["0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2"]
 
 # pip options that pick a wheel for CPython 3.11 on x86-64 Linux whatever the host is.
 _WHEEL_TARGET = [
@@ -199,6 +206,11 @@ def dists_dir() -> Path:
 def default_repo_dir() -> Path:
     """Where :func:`build_upstream_repo` builds when no ``dest`` is given."""
     return cache_dir() / "upstream-core"
+
+
+def default_repo_dir_py312() -> Path:
+    """Where the repository of :data:`CORE_RELEASES_PY312` is built."""
+    return cache_dir() / "upstream-core-py312"
 
 
 def _offline() -> bool:
@@ -293,8 +305,10 @@ def download_release(version: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     _clean_stale_downloads(d)
     spec = f"{PROJECT}=={version}"
+    target_312 = [a.replace("3.11", "3.12").replace("cp311", "cp312") for a in _WHEEL_TARGET]
     attempts = [
         ("wheel for cp311 manylinux x86_64", _WHEEL_TARGET),
+        ("wheel for cp312 manylinux x86_64", target_312),
         ("wheel for this machine", ["--only-binary=:all:"]),
         ("sdist", ["--no-binary=:all:"]),
     ]
@@ -367,8 +381,13 @@ def _one_line(text: str, limit: int = 400) -> str:
 # --------------------------------------------------------------------------- archives
 
 
+# Besides megatron/core, the 3.12 wheels ship upstream's megatron/training (its argument parser,
+# training loop and initialisation), as the wheel ships them.
+KEPT_TREES = (SUBTREE, "megatron/training/")
+
+
 def _keep(relpath: str) -> bool:
-    if not relpath.startswith(SUBTREE) or relpath.endswith("/"):
+    if not relpath.startswith(KEPT_TREES) or relpath.endswith("/"):
         return False
     p = PurePosixPath(relpath)
     if p.is_absolute() or ".." in p.parts or "__pycache__" in p.parts:

@@ -214,7 +214,9 @@ def switch_off_rope_fusion(config) -> bool:
 def local_spec_without_transformer_engine(te_spec, local_spec):
     """``te_spec`` where TransformerEngine is installed; otherwise ``local_spec``, said once.
 
-    ``--transformer-impl transformer_engine`` is upstream's default and every example script's;
+    The pair is upstream's GPT layer spec builders (or, from 2026, the *_submodules builders
+    they delegate to). ``--transformer-impl transformer_engine`` is upstream's default and every
+    example script's;
     ROCm has no TransformerEngine, so the same model is built from Megatron's local PyTorch
     layers (with this module's softmax and layer norm).  Arguments are passed on by name; a
     TE-only option that is switched on is an error, not silently dropped.

@@ -153,17 +153,19 @@ def cpu_device_placement(torch, substitutions: list):
                 args = (args[0], "cpu") + tuple(args[2:])
             return func(*args, **kwargs)
 
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.current_stream
     torch.cuda.current_device = lambda: "cpu"
-    note = ("tensors upstream places on 'cuda' are placed on the CPU, and Tensor.type() names "
-            "them torch.cuda.* for upstream's type checks")
+    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
+    note = ("tensors upstream places on 'cuda' are placed on the CPU (torch.cuda.current_device() "
+            "answers 'cpu', current_stream() the CPU stream), and Tensor.type() names them "
+            "torch.cuda.* for upstream's type checks")
     if note not in substitutions:
         substitutions.append(note)
     try:
         with ToCpu():
             yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.cuda.current_stream = saved
 
 
 def _has_ddp_config() -> bool:
