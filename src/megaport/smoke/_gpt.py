@@ -168,6 +168,92 @@ def cpu_device_placement(torch, substitutions: list):
         torch.cuda.current_device, torch.cuda.current_stream = saved
 
 
+# upstream's examples/gpt3/train_gpt3_175b_distributed.sh (2024 to today): its model, training and
+# parallelism flags. Sizes are shrunk (SIZE_FLAGS); the data, tokenizer, checkpoint and logging
+# paths are replaced by mock data and the NullTokenizer. A tree that has the script is read instead.
+EXAMPLE_SCRIPT = "examples/gpt3/train_gpt3_175b_distributed.sh"
+EXAMPLE_FLAGS = (
+    "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+    "--max-position-embeddings 2048 --attention-backend auto "
+    "--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375 "
+    "--train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 "
+    "--clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 "
+    "--lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16"
+).split()
+# Flags whose values are paths or I/O: dropped, with mock data and the NullTokenizer instead; and
+# the batch-size ramp-up, a schedule over millions of samples (some eras refuse it with
+# --train-iters), which says nothing at a few steps.
+IO_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir",
+            "--save-interval", "--eval-interval", "--eval-iters", "--log-interval", "--split",
+            "--rampup-batch-size")
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--split", "949,50,1", "--log-interval", "1",
+             "--eval-interval", "1000", "--eval-iters", "0"]
+# What a ROCm user without megaport adds to run upstream at all.
+FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                     "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                     "--transformer-impl", "local"]
+
+
+def _script_flags(tree: str) -> tuple[list, str]:
+    """The example script's flags, from the tree when it has the script, else the copy above."""
+    path = os.path.join(tree, EXAMPLE_SCRIPT)
+    if not os.path.isfile(path):
+        return list(EXAMPLE_FLAGS), f"{EXAMPLE_SCRIPT} as of 2024-2026 (the tree has no examples/)"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    tokens = []
+    for block in re.findall(r"^\s*\w+_ARGS=\((.*?)\)", text, flags=re.S | re.M):
+        tokens += [t for t in re.split(r"\s+", block.replace("\\\n", " ")) if t and not t.startswith("#")]
+    return tokens, f"{EXAMPLE_SCRIPT} of the tree"
+
+
+def _shrunk(tokens: list, run: Run) -> list:
+    """The script's flags with sizes from ``run`` and no parallelism beyond one rank."""
+    sizes = {"--num-layers": [run.layers], "--hidden-size": [run.hidden], "--num-attention-heads": [run.heads],
+             "--seq-length": [run.seq], "--max-position-embeddings": [run.seq], "--micro-batch-size": [run.batch],
+             "--global-batch-size": [run.batch],
+             "--train-iters": [run.steps], "--lr-decay-iters": [run.steps], "--tensor-model-parallel-size": [1],
+             "--pipeline-model-parallel-size": [1], "--lr": [run.lr]}
+    out, i = [], 0
+    while i < len(tokens):
+        flag = tokens[i]
+        values = []
+        i += 1
+        while i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])
+            i += 1
+        if flag in IO_FLAGS or not flag.startswith("--"):
+            continue
+        out += [flag] + [str(v) for v in sizes.get(flag, values)]
+    return out + MOCK_DATA + ["--vocab-size", str(run.vocab), "--seed", str(run.seed),
+                              "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+
+
+def upstream_args(run: Run, facts: dict):
+    """Upstream's own parse_args + validate_args on the shrunk example flags, or None for trees
+    without megatron/training (PyPI's megatron-core before 0.17)."""
+    try:
+        arguments = importlib.import_module("megatron.training.arguments")
+    except ModuleNotFoundError as exc:
+        if exc.name and "megatron.training".startswith(exc.name):
+            return None
+        raise
+    if not hasattr(arguments, "core_transformer_config_from_args"):
+        return None
+    tokens, source = _script_flags(run.tree)
+    flags = _shrunk(tokens, run) + (FUSIONS_OFF_FLAGS if run.mode == "fusions-off" else [])
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py"] + flags
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # parse_args prints every argument
+            args = arguments.parse_args(ignore_unknown_args=True)
+            arguments.validate_args(args, {})
+    finally:
+        sys.argv = saved
+    facts["upstream_parser"] = {"flags": flags, "from": source, "transformer_impl": args.transformer_impl}
+    return args, arguments
+
+
 def _has_ddp_config() -> bool:
     try:
         return hasattr(importlib.import_module("megatron.core.distributed"), "DistributedDataParallelConfig")
@@ -223,11 +309,16 @@ def default_transformer_impl(tree: str) -> tuple[str, str]:
     return "transformer_engine", "the era (no arguments.py in the tree)"
 
 
-def _layer_spec(run: Run, facts: dict):
+def _layer_spec(run: Run, facts: dict, impl_from_args=None):
     specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    impl, source = default_transformer_impl(run.tree)
+    if impl_from_args:
+        impl, source = impl_from_args, "upstream's parser"
+    elif run.mode == "fusions-off":
+        impl, source = "local", "--transformer-impl local (fusions off)"
+    else:
+        impl, source = default_transformer_impl(run.tree)
     facts["transformer_impl_default"] = {"value": impl, "from": source}
-    if run.mode == "ported" and impl == "transformer_engine" and hasattr(
+    if impl == "transformer_engine" and hasattr(
             specs, "get_gpt_layer_with_transformer_engine_spec"):
         facts["layer_spec"] = "get_gpt_layer_with_transformer_engine_spec (upstream's default transformer_impl)"
         return specs.get_gpt_layer_with_transformer_engine_spec()
@@ -257,7 +348,7 @@ def _wrap_ddp(config, model, facts: dict):
     return ddp, True
 
 
-def _optimizer(run: Run, model, dtype, facts: dict, torch):
+def _optimizer(run: Run, model, dtype, facts: dict, torch, args=None):
     try:
         opt_mod = importlib.import_module("megatron.core.optimizer")
     except ModuleNotFoundError:
@@ -265,9 +356,14 @@ def _optimizer(run: Run, model, dtype, facts: dict, torch):
     if opt_mod is None or not hasattr(opt_mod, "OptimizerConfig"):
         facts["optimizer"] = "torch.optim.Adam (this era's megatron.core has no optimizer builder)"
         return torch.optim.Adam(model.parameters(), lr=run.lr), False
-    config = opt_mod.OptimizerConfig(**_filtered(opt_mod.OptimizerConfig, dict(
-        optimizer="adam", lr=run.lr, min_lr=run.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-        bf16=run.dtype == "bf16", params_dtype=dtype, clip_grad=1.0, use_distributed_optimizer=False)))
+    if args is not None:  # as upstream's setup_model_and_optimizer builds it
+        fields = {f.name for f in dataclasses.fields(opt_mod.OptimizerConfig)}
+        wanted = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    else:
+        wanted = dict(optimizer="adam", lr=run.lr, min_lr=run.lr, weight_decay=0.01, adam_beta1=0.9,
+                      adam_beta2=0.95, bf16=run.dtype == "bf16", params_dtype=dtype, clip_grad=1.0,
+                      use_distributed_optimizer=False)
+    config = opt_mod.OptimizerConfig(**_filtered(opt_mod.OptimizerConfig, wanted))
     optimizer = opt_mod.get_megatron_optimizer(config, [model])
     facts["optimizer"] = f"get_megatron_optimizer -> {type(optimizer).__name__}"
     inner = getattr(optimizer, "optimizer", None)
@@ -305,33 +401,46 @@ def train(run: Run) -> dict:
     torch.manual_seed(run.seed)
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
 
-    placement = contextlib.ExitStack()
+    substitutions = contextlib.ExitStack()
     if not gpu:
-        placement.enter_context(cpu_device_placement(torch, facts["substitutions"]))
-    with placement:
+        substitutions.enter_context(cpu_device_placement(torch, facts["substitutions"]))
+        substitutions.enter_context(cpu_plumbing(parallel_state, tensor_parallel, torch, facts["substitutions"]))
+    with substitutions:
         return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
 
 
+def _config_from_args(args, arguments, facts: dict):
+    """TransformerConfig exactly as upstream's training builds it from its arguments."""
+    config = arguments.core_transformer_config_from_args(args)
+    facts["fusions"] = {k: getattr(config, k) for k in FUSIONS if hasattr(config, k)}
+    facts["fusions_after_config"] = dict(facts["fusions"])
+    return config, args.params_dtype
+
+
 def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts) -> dict:
-    config, dtype = _config(run, torch, facts)
+    parsed = upstream_args(run, facts)
+    if parsed is not None:
+        args, arguments = parsed
+        config, dtype = _config_from_args(args, arguments, facts)
+        run.dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    else:
+        config, dtype = _config(run, torch, facts)
     gpt = importlib.import_module("megatron.core.models.gpt.gpt_model")
-    spec = _layer_spec(run, facts)
+    spec = _layer_spec(run, facts, parsed[0].transformer_impl if parsed else None)
     model = gpt.GPTModel(**_filtered(gpt.GPTModel, dict(
         config=config, transformer_layer_spec=spec, vocab_size=run.vocab, max_sequence_length=run.seq,
         position_embedding_type=run.position_embedding)))
     model = model.to(device=device, dtype=dtype)
     model, has_ddp = _wrap_ddp(config, model, facts)
-    optimizer, megatron_optimizer = _optimizer(run, model, dtype, facts, torch)
+    optimizer, megatron_optimizer = _optimizer(run, model, dtype, facts, torch, parsed[0] if parsed else None)
 
     position_ids = torch.arange(run.seq, device=device).unsqueeze(0).expand(run.batch, run.seq)
     causal = torch.tril(torch.ones(run.seq, run.seq, dtype=torch.bool, device=device))
     attention_mask = (~causal).view(1, 1, run.seq, run.seq)
     losses, times, grad_norms = [], [], []
-    plumbing = contextlib.nullcontext() if gpu else cpu_plumbing(parallel_state, tensor_parallel, torch,
-                                                                 facts["substitutions"])
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    with plumbing:
+    if True:
         for tokens, labels in _batches(run, torch):
             tokens, labels = tokens.to(device), labels.to(device)
             if gpu:
@@ -341,7 +450,9 @@ def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts
                 model.zero_grad_buffer()
             optimizer.zero_grad()
             loss = model(tokens, position_ids, attention_mask, labels=labels).float().mean()
-            loss.backward()
+            # fp16 (the example script's precision): the optimizer's dynamic loss scale, as
+            # upstream's schedule applies it before backward.
+            (optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss).backward()
             if has_ddp and hasattr(model, "finish_grad_sync"):
                 model.finish_grad_sync()
             result = optimizer.step()

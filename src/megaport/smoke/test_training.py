@@ -17,7 +17,7 @@ import pytest
 
 from megaport.smoke import _gpt, _tree
 
-STEPS = 12
+STEPS = 48  # fp16 runs (the example script's precision) skip their first ~16 steps to find the loss scale
 PARITY = 0.01  # per-step loss, relative
 
 
