@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,17 @@ def core_upstream() -> Path:
     from support.pypi_upstream import require_upstream
 
     return require_upstream(CORE_TEST_RELEASES)
+
+
+@pytest.fixture(scope="session")
+def core_upstream_py312() -> Path:
+    """Local git repo of upstream megatron/core and megatron/training from the PyPI releases that
+    need Python >= 3.12 (0.17 to 0.19); their trees import only on 3.12."""
+    if sys.version_info < (3, 12):
+        pytest.skip("megatron-core >= 0.17 needs Python 3.12 (typing.override); CI runs the tests on 3.12")
+    from support.pypi_upstream import CORE_RELEASES_PY312, default_repo_dir_py312, require_upstream
+
+    return require_upstream(CORE_RELEASES_PY312, dest=default_repo_dir_py312())
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,8 @@ def ported_run(smoke):
     _require_gpt(smoke)
     document = _run(smoke, smoke.tree, "ported", smoke.subprocess_env())
     smoke.facts["training"] = {k: document[k] for k in (
-        "layer_spec", "fusions", "fusions_after_config", "ddp", "optimizer", "substitutions", "log")}
+        "layer_spec", "fusions", "fusions_after_config", "ddp", "optimizer", "substitutions", "log",
+        "upstream_parser", "transformer_impl_default") if k in document}
     smoke.facts["training_losses"] = [round(v, 4) for v in document["losses"]]
     if document["substitutions"]:
         smoke.facts["training_cpu_substitutions"] = document["substitutions"]
