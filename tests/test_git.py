@@ -205,10 +205,11 @@ def test_blob_reader_reads_without_checkout(repo: Path, tmp_path: Path) -> None:
         assert tree.list_dir("pkg") == ["__init__.py", "core"]
         assert tree.list_dir("README.md") is None
         assert tree.list_dir("nope") is None
-        pid = tree.objects._proc.pid  # one long-lived process serves every read
+        pid = tree.objects.process_id  # one long-lived process serves every read
+        assert pid is not None
         for _ in range(50):
             tree.read("pkg/core/mod.py")
-        assert tree.objects._proc.pid == pid
+        assert tree.objects.process_id == pid
     with pytest.raises(ValueError):
         tree.read("README.md")
     with BlobReader(repo, "HEAD") as head:

@@ -1,6 +1,13 @@
 """The few git helpers megaport needs; nothing else in megaport shells out to git.
 
-Every call goes through :func:`run_git`, which
+Objects, refs and ancestry go through GitPython (:func:`open_repo`): its long-lived
+``git cat-file --batch`` reads blobs and trees without a checkout (:class:`ObjectReader`,
+:class:`BlobReader`), its tree parser lists directories, and ``Repo.git`` resolves revisions and
+ancestry. What GitPython does not do the way megaport needs stays here, each saying why:
+porcelain commands with byte-exact settings and git's own error text (:func:`run_git`),
+a background checkout (:class:`BackgroundGit`), the dirty check with ``core.autocrlf=false``.
+
+Every command megaport runs itself goes through :func:`run_git`, which
 
 * passes ``-c`` settings that keep file bytes exact (``core.autocrlf=false``,
   ``core.safecrlf=false``) so CRLF files survive checkouts and commits untouched;
@@ -22,7 +29,6 @@ import re
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
 
 from megaport.errors import MegaportError
 
@@ -30,6 +36,8 @@ __all__ = [
     "BYTE_EXACT_CONFIG",
     "BlobReader",
     "GitError",
+    "ObjectReader",
+    "open_repo",
     "git_command",
     "git_env",
     "git_reason",
@@ -225,15 +233,19 @@ class BackgroundGit:
 def rev_parse(repo: str | os.PathLike[str], rev: str) -> str | None:
     """The object id ``rev`` names in ``repo``, or None when it names nothing.
 
-    ``rev`` is any revision expression (``v1.0^{commit}``, ``main``, an abbreviated sha);
-    a revision starting with ``-`` is never taken as an option.
+    ``rev`` is any revision expression (``v1.0^{commit}``, ``main``, an abbreviated sha),
+    resolved by git itself through GitPython (``git rev-parse --verify``): GitPython's own
+    pure-Python ``Repo.rev_parse`` takes a full 40-hex id on trust, without looking it up. A
+    revision starting with ``-`` is never taken as an option.
     """
     if not rev or rev.startswith("-"):
         return None
-    proc = run_git(["rev-parse", "--verify", "--quiet", rev], repo, check=False)
-    if proc.returncode != 0:
+    import git
+
+    try:
+        out = open_repo(repo).git.rev_parse("--verify", "--quiet", rev).strip()
+    except git.GitCommandError:
         return None
-    out = proc.stdout.strip()
     return out if _HEX_SHA.fullmatch(out) else None
 
 
@@ -243,23 +255,23 @@ def has_commit(repo: str | os.PathLike[str], sha: str) -> bool:
 
 
 def is_ancestor(repo: str | os.PathLike[str], ancestor: str, descendant: str) -> bool:
-    """True when ``ancestor`` is ``descendant`` or one of its ancestors.
+    """True when ``ancestor`` is ``descendant`` or one of its ancestors (GitPython's
+    ``Repo.is_ancestor``, i.e. ``git merge-base --is-ancestor``).
 
     Raises :class:`GitError` when either revision is unknown.
     """
-    args = ["merge-base", "--is-ancestor", ancestor, descendant]
-    proc = run_git(args, repo, check=False)
-    if proc.returncode == 0:
-        return True
-    if proc.returncode == 1:
-        return False
-    raise GitError.from_result(args, proc.returncode, proc.stderr)
+    import git
+
+    try:
+        return open_repo(repo).is_ancestor(ancestor, descendant)
+    except git.GitCommandError as exc:
+        args = ["merge-base", "--is-ancestor", ancestor, descendant]
+        raise GitError.from_result(args, exc.status, str(exc.stderr or "")) from None
 
 
 def is_shallow(repo: str | os.PathLike[str]) -> bool:
     """True when ``repo`` (a bare repository or a work tree) is a shallow clone."""
-    out = run_git(["rev-parse", "--git-dir"], repo).stdout.strip()
-    return (Path(repo) / out / "shallow").exists()
+    return (Path(open_repo(repo).git_dir) / "shallow").exists()
 
 
 def is_dirty(worktree: str | os.PathLike[str]) -> bool:
@@ -287,8 +299,36 @@ def ls_tree_paths(repo: str | os.PathLike[str], commit: str, prefix: str = "") -
     return [p for p in out.split("\0") if p]
 
 
+def open_repo(repo: str | os.PathLike[str]) -> "git.Repo":
+    """A GitPython ``Repo`` that runs git with megaport's environment (see :func:`git_env`):
+    no inherited ``GIT_DIR``/``GIT_INDEX_FILE`` points it elsewhere, prompts are off."""
+    import git
+
+    # GitPython's Repo() reads GIT_DIR, GIT_WORK_TREE, GIT_OBJECT_DIRECTORY and GIT_COMMON_DIR from
+    # the process environment (set inside git hooks, for instance): hide them while it looks.
+    wanted = git_env()
+    hidden = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("GIT_") and k not in wanted}
+    try:
+        handle = git.Repo(os.fspath(repo), search_parent_directories=True)  # as git does
+    except (git.NoSuchPathError, git.InvalidGitRepositoryError) as exc:
+        raise GitError(f"{repo} is not a git repository") from exc
+    finally:
+        os.environ.update(hidden)
+    # The git processes GitPython starts inherit the process environment, and it can only add to
+    # it: what leaked in is pointed back at this repository (or emptied).
+    own = {"GIT_DIR": handle.git_dir, "GIT_COMMON_DIR": handle.common_dir,
+           "GIT_OBJECT_DIRECTORY": os.path.join(handle.common_dir, "objects")}
+    if handle.working_tree_dir:
+        own.update(GIT_WORK_TREE=handle.working_tree_dir, GIT_INDEX_FILE=os.path.join(handle.git_dir, "index"))
+    overrides = {k: os.fspath(own.get(k, "")) for k in hidden}
+    overrides.update(GIT_TERMINAL_PROMPT=wanted["GIT_TERMINAL_PROMPT"], LC_ALL=wanted["LC_ALL"])
+    handle.git.update_environment(**overrides)
+    return handle
+
+
 class ObjectReader:
-    """Any object of a repository, through one long-lived ``git cat-file --batch``.
+    """Any object of a repository, through GitPython's long-lived ``git cat-file --batch``
+    (``Repo.git.get_object_data``).
 
     ``get("<sha>")`` or ``get("<commit>:<path>")`` gives ``(type, object id, content)``. Blobs are
     cached by id, so a file that did not change between two commits is read once. Not
@@ -298,14 +338,7 @@ class ObjectReader:
     def __init__(self, repo: str | os.PathLike[str]) -> None:
         self.repo = Path(repo)
         self._blobs: dict[str, bytes] = {}
-        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            git_command(["cat-file", "--batch"]),
-            cwd=self.repo,
-            env=git_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
+        self._git = open_repo(self.repo)
 
     def __enter__(self) -> ObjectReader:
         return self
@@ -313,63 +346,40 @@ class ObjectReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort if close() was forgotten
-        try:
-            self.close()
-        except Exception:
-            pass
-
     def close(self) -> None:
         """Stop the git process; the reader cannot be used afterwards."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            proc.kill()
-            proc.wait()
+        handle, self._git = self._git, None
+        if handle is not None:
+            handle.close()
 
     @property
     def closed(self) -> bool:
-        return self._proc is None
+        return self._git is None
+
+    @property
+    def process_id(self) -> int | None:
+        """Pid of the ``git cat-file --batch`` serving this reader (GitPython keeps it as
+        ``Git.cat_file_all`` once the first object is read), or None before that."""
+        proc = getattr(self._git.git, "cat_file_all", None) if self._git is not None else None
+        return getattr(proc, "pid", None)
 
     def get(self, name: str) -> tuple[str, str, bytes] | None:
         """``(type, object id, content)`` of the object ``name``, or None when there is none."""
-        proc = self._proc
-        if proc is None:
+        if self._git is None:
             raise ValueError("ObjectReader is closed")
-        assert proc.stdin is not None and proc.stdout is not None
         if "\n" in name:
             raise ValueError(f"unsupported object name: {name!r}")
         try:
-            proc.stdin.write(name.encode("utf-8", "surrogateescape") + b"\n")
-            proc.stdin.flush()
-            header = proc.stdout.readline()
-        except (BrokenPipeError, OSError) as exc:
+            oid, kind, _size, data = self._git.git.get_object_data(name)
+        except ValueError:  # git cat-file answered "missing" or "ambiguous"
+            return None
+        except (OSError, AttributeError) as exc:  # the process died (AttributeError: no stdout)
             self.close()
             raise GitError(f"git cat-file stopped while reading {self.repo}") from exc
-        if not header:
-            self.close()
-            raise GitError(f"git cat-file stopped while reading {self.repo}")
-        line = header.rstrip(b"\n")
-        if line.endswith((b" missing", b" ambiguous")):
-            return None
-        fields = line.split(b" ")
-        if len(fields) != 3 or not fields[2].isdigit():
-            self.close()
-            raise GitError(f"unexpected reply from git cat-file: {header!r}")
-        data = _read_exact(proc.stdout, int(fields[2]) + 1)[:-1]  # content, then a newline
-        oid = fields[0].decode("ascii")
-        if fields[1] == b"blob":
+        oid, kind = oid.decode("ascii"), kind.decode("ascii")  # GitPython gives the header as bytes
+        if kind == "blob":
             self._blobs.setdefault(oid, data)
-        return fields[1].decode("ascii"), oid, data
+        return kind, oid, data
 
     def blob(self, oid: str | None) -> bytes | None:
         """The blob ``oid`` (full or abbreviated), or None when it is not in the repository."""
@@ -481,29 +491,9 @@ class BlobReader:
             self._entries[clean] = self.objects.get(f"{self.commit}:{clean}")
         return self._entries[clean]
 
-    def _parse_tree(self, data: bytes) -> list[tuple[str, str, str]]:
-        """Entries of a raw tree object: ``(mode, name, hex id)``."""
-        entries = []
-        pos, n = 0, len(data)
-        hash_len = len(self.commit) // 2  # 20 bytes for SHA-1, 32 for SHA-256
-        while pos < n:
-            space = data.index(b" ", pos)
-            nul = data.index(b"\0", space)
-            mode = data[pos:space].decode("ascii")
-            name = data[space + 1 : nul].decode("utf-8", "surrogateescape")
-            oid = data[nul + 1 : nul + 1 + hash_len].hex()
-            entries.append((mode, name, oid))
-            pos = nul + 1 + hash_len
-        return entries
+    @staticmethod
+    def _parse_tree(data: bytes) -> list[tuple[str, str, str]]:
+        """Entries of a raw tree object, ``(mode, name, hex id)``, parsed by GitPython."""
+        from git.objects.fun import tree_entries_from_data
 
-
-def _read_exact(stream: IO[bytes], size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = stream.read(left)
-        if not chunk:
-            raise GitError("git cat-file stopped in the middle of an object")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
+        return [(f"{mode:o}", name, binsha.hex()) for binsha, mode, name in tree_entries_from_data(data)]
