@@ -844,3 +844,71 @@ def test_fused_adam_is_adamw_and_takes_apex_arguments(rp):
     with pytest.raises(ValueError, match="adam_w_mode"):
         rp.FusedAdam([torch.nn.Parameter(torch.ones(1))], adam_w_mode=False)
     assert isinstance(rp.FusedSGD([torch.nn.Parameter(torch.ones(1))], lr=0.1, wd_after_momentum=True), torch.optim.SGD)
+
+
+# ----------------------------------------------------------------------------------
+# Upstream's defaults without TransformerEngine
+# ----------------------------------------------------------------------------------
+
+
+def test_rope_fusion_is_switched_off_with_one_line(rp, capsys):
+    class Config:
+        apply_rope_fusion = True
+
+    rp._SAID.clear()
+    config = Config()
+    assert rp.switch_off_rope_fusion(config) is True and config.apply_rope_fusion is False
+    rp.switch_off_rope_fusion(Config())
+    out = capsys.readouterr().out
+    assert out.count("> ROCm port: apply_rope_fusion") == 1, out
+
+
+def _specs():
+    def te_spec(num_experts=None, qk_layernorm=False, fp8=None, use_te_op_fuser=False):
+        return ("te", num_experts, qk_layernorm)
+
+    def local_spec(num_experts=None, qk_layernorm=False, normalization=None):
+        return ("local", num_experts, qk_layernorm)
+
+    return te_spec, local_spec
+
+
+def test_te_spec_builds_the_local_spec_without_transformer_engine(rp, monkeypatch, capsys):
+    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
+    rp._SAID.clear()
+    spec = rp.local_spec_without_transformer_engine(*_specs())
+    assert spec(4, qk_layernorm=True) == ("local", 4, True)  # positional and named, by name
+    assert spec(fp8="hybrid") == ("local", None, False)  # upstream's deprecated, unused argument
+    assert "builds Megatron's local PyTorch layers" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="use_te_op_fuser need"):
+        spec(use_te_op_fuser=True)
+    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: True)
+    assert spec(4) == ("te", 4, False)
+
+
+def test_te_layers_stand_in_serves_only_unguarded_eras(rp, tmp_path):
+    assert rp.TRANSFORMER_ENGINE_IMPORTS_GUARDED is True
+    assert not any(isinstance(f, rp._TransformerEngineLayersStandIn) for f in sys.meta_path)
+    text = replacements.render(fully_masked_rows_are_zero=True, transformer_engine_imports_guarded=False)
+    old = _load(text, tmp_path)
+    try:
+        finders = [f for f in sys.meta_path if isinstance(f, old._TransformerEngineLayersStandIn)]
+        assert len(finders) == 1
+        spec = finders[0].find_spec(old._TE_LAYERS_MODULE)
+        assert (spec is not None) == (importlib.util.find_spec("transformer_engine") is None)
+        assert finders[0].find_spec("megatron.core.transformer.attention") is None
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, old._TransformerEngineLayersStandIn)]
+        old.uninstall_import_blocker()
+
+
+def test_te_layers_stand_in_names(rp):
+    assert rp._te_layers_attribute("SplitAlongDim") is None
+    assert rp._te_layers_attribute("get_cpu_offload_context") is None
+    layer = rp._te_layers_attribute("TEDotProductAttention")
+    with pytest.raises(RuntimeError, match="TEDotProductAttention needs TransformerEngine"):
+        layer()
+    with pytest.raises(RuntimeError, match="te_helper needs TransformerEngine"):
+        rp._te_layers_attribute("te_helper")()
+    with pytest.raises(AttributeError):
+        rp._te_layers_attribute("__path__")

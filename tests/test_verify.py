@@ -172,3 +172,16 @@ def test_a_planted_defect_fails_with_the_test_that_names_it(trees, tmp_path, pla
     if plant == "apex-import":
         assert failed == {failing} or all("apex" in tests[n].get("message", "") for n in failed)
     assert f"FAILED {failing}" in proc.stdout or failing in proc.stdout
+
+
+def test_strict_counts_a_skip_as_a_failure(trees, tmp_path):
+    """PyPI's 0.5.0 has no megatron/optimizer: its optimizer tests skip, which --strict refuses."""
+    tree = trees("0.5.0")
+    report = tmp_path / "verify.json"
+    relaxed = run_verify(str(tree), "--device", "cpu", "-k", "optimizer")
+    assert relaxed.returncode == 0, relaxed.stdout[-3000:]
+    proc = run_verify(str(tree), "--device", "cpu", "-k", "optimizer", "--strict", "--json", str(report))
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "--strict:" in proc.stdout and "count as failures" in proc.stdout
+    document = json.loads(report.read_text())
+    assert document["strict"] is True and document["exit_code"] == 1 and document["summary"]["skipped"] > 0

@@ -146,6 +146,15 @@ def missing_import_verdict(missing: str) -> tuple[str, str]:
     return "skip", f"needs {top}, an upstream dependency not installed here"
 
 
+def import_first_or_skip(names, what: str):
+    """:func:`import_first`, with a missing third-party dependency judged by
+    :func:`skip_or_fail_missing`: ``(module or None, why none)``."""
+    try:
+        return import_first(names)
+    except ModuleNotFoundError as exc:
+        skip_or_fail_missing(exc, what)
+
+
 def skip_or_fail_missing(exc: ModuleNotFoundError, what: str):
     """Turn a failed import of tree code into a skip only for a genuinely absent optional
     dependency; what the port must fix fails, and a missing megatron or blocked module re-raises."""

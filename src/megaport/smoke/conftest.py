@@ -175,17 +175,9 @@ def device(smoke, torch_module):
     return smoke.torch_device()
 
 
-def _import_first_or_skip(names):
-    """import_first, with a missing upstream third-party dependency turned into a skip."""
-    try:
-        return _tree.import_first(names)
-    except ModuleNotFoundError as exc:
-        _tree.skip_or_fail_missing(exc, "the tree")
-
-
 @pytest.fixture(scope="session")
 def rocm_port(smoke):
-    module, reason = _import_first_or_skip(_tree.ROCM_PORT_MODULES)
+    module, reason = _tree.import_first_or_skip(_tree.ROCM_PORT_MODULES, "the tree")
     if module is None:
         pytest.fail(f"the tree has no rocm_port module ({reason}): the series did not apply")
     return module
@@ -193,7 +185,7 @@ def rocm_port(smoke):
 
 @pytest.fixture(scope="session")
 def fused_softmax(smoke, rocm_port):
-    module, reason = _import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES)
+    module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree")
     if module is None:
         pytest.skip(f"no fused_softmax module in this tree ({reason})")
     return module

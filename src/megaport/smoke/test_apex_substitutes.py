@@ -9,7 +9,6 @@ and skips with the reason when the tree has no such thing.
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import pytest
 
@@ -27,14 +26,10 @@ def need(module, name, what=None):
 
 def tree_module(*names):
     """The first of ``names`` the tree has (eras before 2024 keep the optimizer in megatron/optimizer)."""
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-                continue
-            _tree.skip_or_fail_missing(exc, name)
-    pytest.skip(f"{' and '.join(names)}: not in this tree")
+    module, reason = _tree.import_first_or_skip(names, names[0])
+    if module is None:
+        pytest.skip(reason)
+    return module
 
 
 def params_and_grads(device, dtype=torch.float32, seed=0):
