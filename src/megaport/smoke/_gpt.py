@@ -434,35 +434,9 @@ def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts
     model, has_ddp = _wrap_ddp(config, model, facts)
     optimizer, megatron_optimizer = _optimizer(run, model, dtype, facts, torch, parsed[0] if parsed else None)
 
-    position_ids = torch.arange(run.seq, device=device).unsqueeze(0).expand(run.batch, run.seq)
-    causal = torch.tril(torch.ones(run.seq, run.seq, dtype=torch.bool, device=device))
-    attention_mask = (~causal).view(1, 1, run.seq, run.seq)
-    losses, times, grad_norms = [], [], []
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    if True:
-        for tokens, labels in _batches(run, torch):
-            tokens, labels = tokens.to(device), labels.to(device)
-            if gpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            if has_ddp:
-                model.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss = model(tokens, position_ids, attention_mask, labels=labels).float().mean()
-            # fp16 (the example script's precision): the optimizer's dynamic loss scale, as
-            # upstream's schedule applies it before backward.
-            (optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss).backward()
-            if has_ddp and hasattr(model, "finish_grad_sync"):
-                model.finish_grad_sync()
-            result = optimizer.step()
-            if megatron_optimizer and isinstance(result, tuple) and len(result) > 1 and result[1] is not None:
-                grad_norms.append(float(result[1]))
-            value = loss.item()
-            if gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(value)
+    losses, times, grad_norms = _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torch)
     timed = times[run.warmup:] or times
     ms = 1000 * statistics.median(timed)
     document = {
@@ -478,6 +452,38 @@ def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts
     }
     dist.destroy_process_group()
     return document
+
+
+def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torch):
+    """The training steps, as upstream's schedule runs them at one micro-batch per step:
+    (loss per step, seconds per step, grad norm of each step the optimizer took)."""
+    position_ids = torch.arange(run.seq, device=device).unsqueeze(0).expand(run.batch, run.seq)
+    causal = torch.tril(torch.ones(run.seq, run.seq, dtype=torch.bool, device=device))
+    attention_mask = (~causal).view(1, 1, run.seq, run.seq)
+    losses, times, grad_norms = [], [], []
+    for tokens, labels in _batches(run, torch):
+        tokens, labels = tokens.to(device), labels.to(device)
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        if has_ddp:
+            model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = model(tokens, position_ids, attention_mask, labels=labels).float().mean()
+        # fp16 (the example script's precision): the optimizer's dynamic loss scale, as
+        # upstream's schedule applies it before backward.
+        (optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss).backward()
+        if has_ddp and hasattr(model, "finish_grad_sync"):
+            model.finish_grad_sync()
+        result = optimizer.step()
+        if megatron_optimizer and isinstance(result, tuple) and len(result) > 1 and result[1] is not None:
+            grad_norms.append(float(result[1]))
+        value = loss.item()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(value)
+    return losses, times, grad_norms
 
 
 def main(argv=None) -> int:
