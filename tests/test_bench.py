@@ -57,7 +57,51 @@ def test_bench_measures_both_paths_on_cpu(tmp_path, core_upstream):
         assert len(row["samples_ms"]["fused"]) == len(row["samples_ms"]["torch"]) == 3
         assert row["time_ratio"] == pytest.approx(row["replacement_ms"] / row["upstream_torch_ms"], rel=1e-2)
         assert row["replacement_peak_mib"] is not None and row["upstream_torch_peak_mib"] is not None
+        # Bandwidth against a plain copy of the input, and extra memory per input byte.
+        assert row["copy_gbps"] > 0 and row["input_mib"] > 0
+        assert row["replacement_bandwidth_vs_copy"] == pytest.approx(
+            row["replacement_gbps"] / row["copy_gbps"], rel=1e-2)
+        assert row["replacement_extra_memory_x_input"] == pytest.approx(
+            row["replacement_peak_mib"] / row["input_mib"], rel=2e-2)
     assert "RSS" in document["memory_method"]
     assert document["load_average"]["cpus"] >= 1
     assert "forward_torch_softmax" in document["variants"]["upstream_torch"]
     assert "time ratio" in proc.stdout and "peak memory" in proc.stdout
+
+
+@pytest.mark.upstream
+def test_bench_train_compares_the_port_with_upstream_fusions_off(tmp_path, core_upstream):
+    """Both sides run, side by side, with the same losses; the tree is not touched."""
+    pytest.importorskip("torch")
+    tree = tmp_path / "tree"
+    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
+                                        "--dest", str(tree)], catch_exceptions=False)
+    assert applied.exit_code == 0, applied.output
+    status_before = subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True,
+                                   text=True).stdout
+    report = tmp_path / "bench-train.json"
+    proc = subprocess.run([sys.executable, "-m", "megaport.cli", "bench", "--train", str(tree), "--device", "cpu",
+                           "--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "64", "--batch", "2",
+                           "--steps", "4", "--warmup", "1", "--json", str(report)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "upstream, fusions off" in proc.stdout and "ratio" in proc.stdout
+    document = json.loads(report.read_text())
+    ported, upstream = document["ported"], document["upstream_fusions_off"]
+    assert upstream["what"] == "unported upstream, fusions off"
+    assert len(ported["losses"]) == len(upstream["losses"]) == 4
+    assert document["loss_max_relative_difference"] <= 0.01
+    for key in ("ms_per_iter", "tokens_per_s", "peak_memory"):
+        assert document["ratio"][key] > 0
+    assert document["ratio"]["ms_per_iter"] == pytest.approx(ported["ms_per_iter"] / upstream["ms_per_iter"])
+    assert ported["fusions"]["masked_softmax_fusion"]
+    assert subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True,
+                          text=True).stdout == status_before
+
+
+def test_bench_train_refuses_sizes_that_cannot_work(tmp_path):
+    from test_verify_cli import fake_tree
+
+    result = CliRunner().invoke(main, ["bench", "--train", str(fake_tree(tmp_path)), "--device", "cpu",
+                                       "--hidden", "100", "--heads", "3"])
+    assert result.exit_code == 2 and "not a multiple of --heads" in result.output
