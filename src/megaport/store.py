@@ -44,6 +44,8 @@ _ABBREV_SHA = re.compile(r"[0-9a-fA-F]{4,39}")
 _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _PIN_PREFIX = "refs/megaport/pins/"
 _REMOTE_HEAD = "refs/megaport/remote-HEAD"
+#: Where a cache keeps the remote's HEAD (its default branch), for drift's ``HEAD`` in ranges.
+REMOTE_HEAD = _REMOTE_HEAD
 _FULL_REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
 
 
@@ -160,6 +162,25 @@ class Store:
                 except _RefNotFound as exc:
                     raise exc.error(url, ref) from None
         return ResolvedRef(url=url, ref=ref, sha=sha, repo=repo)
+
+    def fetch_everything(self, url: str) -> Path:
+        """Every branch and tag of ``url`` with full history in its cache (unshallowed), and the
+        remote's HEAD at :data:`REMOTE_HEAD`; the cache's path. Drift over whole ranges needs it."""
+        url = normalize_url(url)
+        repo = self.repo_path(url)
+        if not repo.is_dir():
+            self.resolve(url, "HEAD")  # creates the cache atomically, under the lock
+        args = ["fetch", "--no-tags", "--prune", "--force"]
+        with self._locked(repo):
+            if is_shallow(repo):
+                args.append("--unshallow")
+            try:
+                self._fetch(repo, url, [*args, url, *_FULL_REFSPECS, f"+HEAD:{_REMOTE_HEAD}"],
+                            _is_network(url) and _stderr_is_tty())
+            except GitError as exc:
+                raise MegaportError(f"cannot fetch {display_url(url)}: {exc.reason or 'git fetch failed'}; "
+                                    "check the URL or your network") from None
+        return repo
 
     def _create(self, repo: Path, url: str, ref: str, show: bool) -> str:
         """Create ``repo`` by initialising and fetching into a temporary directory beside it,

@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from megaport.errors import MegaportError
-from megaport.git import GitError, is_shallow, rev_parse, run_git
-from megaport.store import Store, display_url, normalize_url
+from megaport.git import rev_parse, run_git
+from megaport.store import REMOTE_HEAD, Store, display_url, normalize_url
 
 _GLOB = re.compile(r"[*?\[]")
-_FULL_REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
-_REMOTE_HEAD = "refs/megaport/remote-HEAD"  # where the store keeps the remote's HEAD
 # Version sort puts these pre-release suffixes before the release (0.14.0rc3 < 0.14.0).
 _PRERELEASES = tuple(
     arg for suffix in ("rc", "-rc", ".rc", "dev", ".dev", "alpha", "beta") for arg in ("-c", f"versionsort.suffix={suffix}")
@@ -71,7 +68,7 @@ def resolve_targets(
         raise MegaportError("--last must be at least 1")
     url = normalize_url(url)
     whole_history = last is not None or any(is_glob(s) or is_range(s) for s in specs)
-    repo = fetch_everything(store, url) if whole_history else store.repo_path(url)
+    repo = store.fetch_everything(url) if whole_history else store.repo_path(url)
     targets: list[Target] = []
     for spec in specs:
         spec = spec.strip()
@@ -94,25 +91,6 @@ def resolve_targets(
     for target in targets:
         unique.setdefault((target.ref, target.sha), target)
     return url, repo, list(unique.values())
-
-
-def fetch_everything(store: Store, url: str) -> Path:
-    """Fetch every branch and tag (full history) into the cache of ``url``, once per run."""
-    repo = store.repo_path(url)
-    if not repo.is_dir():
-        store.resolve(url, "HEAD")  # creates the cache atomically (and under the store's lock)
-    args = ["fetch", "--no-tags", "--prune", "--force"]
-    with store._locked(repo):  # noqa: SLF001 - the store's own lock: no other process fetches meanwhile
-        if is_shallow(repo):
-            args.append("--unshallow")
-        show = _network(url) and _stderr_is_tty()
-        try:
-            store._fetch(repo, url, [*args, url, *_FULL_REFSPECS, f"+HEAD:{_REMOTE_HEAD}"], show)  # noqa: SLF001
-        except GitError as exc:
-            raise MegaportError(
-                f"cannot fetch {display_url(url)}: {exc.reason or 'git fetch failed'}; check the URL or your network"
-            ) from None
-    return repo
 
 
 def _glob(repo: Path, url: str, pattern: str) -> list[Target]:
@@ -161,8 +139,8 @@ def _lookup(repo: Path, name: str) -> Optional[str]:
     if name.startswith("-"):
         return None
     base, suffix = re.match(r"^(.*?)([~^].*)?$", name).groups()
-    # The cache's own HEAD is not the remote's: fetch_everything records that one.
-    candidates = (_REMOTE_HEAD,) if base == "HEAD" else (f"refs/heads/{base}", f"refs/tags/{base}", base)
+    # The cache's own HEAD is not the remote's: Store.fetch_everything records that one.
+    candidates = (REMOTE_HEAD,) if base == "HEAD" else (f"refs/heads/{base}", f"refs/tags/{base}", base)
     for candidate in candidates:
         sha = rev_parse(repo, f"{candidate}{suffix or ''}^{{commit}}")
         if sha:
@@ -170,13 +148,3 @@ def _lookup(repo: Path, name: str) -> Optional[str]:
     return None
 
 
-def _network(url: str) -> bool:
-    """True for URLs that reach another machine (not local paths or file:// URLs)."""
-    return not url.startswith("/") and not url.lower().startswith("file://")
-
-
-def _stderr_is_tty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
