@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from rich.progress import Progress
 from support.gitrepos import bare_clone, branch, commit, git, make_repo
 
 from megaport.errors import MegaportError
@@ -24,7 +25,7 @@ from megaport.git import (
     rev_parse,
     run_git,
 )
-from megaport.progress import parse_progress_line, run_git_with_progress
+from megaport.progress import RichProgress, run_git_with_progress
 
 BINARY = bytes(range(256)) * 4 + b"\r\n\0\r"
 FILES = {
@@ -254,32 +255,36 @@ def test_blob_reader_bad_commit_and_paths(repo: Path) -> None:
 
 
 # -- progress --------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("line", "expected"),
-    [
-        ("Receiving objects:  45% (4500/10000), 12.34 MiB | 5.67 MiB/s",
-         ("Receiving objects", 4500, 10000, "12.34 MiB | 5.67 MiB/s", False, False)),
-        ("Resolving deltas: 100% (3/3), done.", ("Resolving deltas", 3, 3, "", False, True)),
-        ("remote: Counting objects: 100% (5/5), done.",
-         ("Counting objects", 5, 5, "", True, True)),
-        ("remote: Enumerating objects: 1234, done.", ("Enumerating objects", 1234, None, "", True, True)),
-        ("Receiving objects: 100% (9/9), 1.2 KiB | 1.2 MiB/s, done.",
-         ("Receiving objects", 9, 9, "1.2 KiB | 1.2 MiB/s", False, True)),
-    ],
-)
-def test_parse_progress_line(line: str, expected: tuple) -> None:
-    info = parse_progress_line(line)
-    assert info is not None
-    assert (info.phase, info.current, info.total, info.detail, info.remote, info.done) == expected
+def _bars(lines: list[str]) -> tuple[dict, RichProgress]:
+    """Feed ``lines`` to RichProgress (GitPython's parser) and read the bars it drew."""
+    bar = Progress(console=Console(file=io.StringIO()))
+    progress = RichProgress(bar, "fetching x")
+    handle = progress.new_message_handler()
+    for line in lines:
+        handle(line)
+    tasks = {t.description: (t.completed, t.total, t.fields["detail"]) for t in bar.tasks}
+    return tasks, progress
 
 
-@pytest.mark.parametrize(
-    "line",
-    ["", "From /tmp/up", " * branch            main       -> FETCH_HEAD",
-     "fatal: couldn't find remote ref refs/heads/x", "remote: Total 5 (delta 0), reused 0"],
-)
-def test_parse_progress_line_ignores_other_lines(line: str) -> None:
-    assert parse_progress_line(line) is None
+def test_progress_lines_become_one_bar_per_phase() -> None:
+    tasks, progress = _bars([
+        "remote: Counting objects: 100% (5/5), done.",
+        "Receiving objects:  45% (4500/10000), 12.34 MiB | 5.67 MiB/s",
+        "Receiving objects: 100% (10000/10000), 20.1 MiB | 5.70 MiB/s, done.",
+        "Resolving deltas:  50% (3/6)",
+    ])
+    assert tasks == {
+        "fetching x: counting objects": (5, 5, ""),
+        "fetching x: receiving objects": (10000, 10000, "20.1 MiB | 5.70 MiB/s"),
+        "fetching x: resolving deltas": (3, 6, ""),
+    }
+    assert progress.messages() == ""
+
+
+def test_progress_keeps_what_is_not_progress_for_the_error_message() -> None:
+    tasks, progress = _bars(["From /tmp/up", "fatal: couldn't find remote ref refs/heads/x"])
+    assert tasks == {}
+    assert progress.messages() == "From /tmp/up\nfatal: couldn't find remote ref refs/heads/x"
 
 
 def test_run_git_with_progress(repo: Path, tmp_path: Path) -> None:

@@ -6,9 +6,10 @@ Git reports progress on stderr as lines ended by ``\\r`` (updates) or ``\\n`` (f
     Receiving objects:  45% (4500/10000), 12.34 MiB | 5.67 MiB/s
     Resolving deltas: 100% (3/3), done.
 
-:func:`run_git_with_progress` runs a git command, turns each such line into a bar (one per
-phase) and keeps every other stderr line for the error message. The store decides *when*
-to show progress; this module only knows *how*.
+GitPython's :class:`~git.util.RemoteProgress` parses those lines (its ``update`` gets the phase,
+counts and message; other lines it keeps as ``error_lines``/``other_lines``); :class:`RichProgress`
+draws one bar per phase. :func:`run_git_with_progress` runs the git command and feeds its stderr
+to it. The store decides *when* to show progress; this module only knows *how*.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import re
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from git.util import RemoteProgress
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -32,50 +33,42 @@ from rich.progress import (
 
 from megaport.git import GitError, git_command, git_env
 
-__all__ = ["ProgressLine", "parse_progress_line", "run_git_with_progress"]
-
-_PERCENT = re.compile(
-    r"^(?P<remote>remote:\s*)?(?P<phase>[A-Za-z][A-Za-z ]*?):\s+(?P<pct>\d+)%\s+"
-    r"\((?P<cur>\d+)/(?P<total>\d+)\)(?:,\s*(?P<detail>.*?))?\s*$"
-)
-_COUNTER = re.compile(
-    r"^(?P<remote>remote:\s*)?(?P<phase>[A-Za-z][A-Za-z ]*?):\s+(?P<cur>\d+)"
-    r"(?:,\s*(?P<detail>.*?))?\s*$"
-)
+__all__ = ["RichProgress", "run_git_with_progress"]
 
 
-@dataclass(frozen=True)
-class ProgressLine:
-    """One parsed progress line. ``total`` is None for plain counters ("Enumerating
-    objects: 1234"); ``detail`` is the rest ("12.34 MiB | 5.67 MiB/s"), without "done."."""
+class RichProgress(RemoteProgress):
+    """GitPython's progress parser drawing on a rich :class:`~rich.progress.Progress`."""
 
-    phase: str
-    current: int
-    total: int | None
-    detail: str = ""
-    remote: bool = False
-    done: bool = False
+    PHASES = {
+        RemoteProgress.COUNTING: "counting objects",
+        RemoteProgress.COMPRESSING: "compressing objects",
+        RemoteProgress.WRITING: "writing objects",
+        RemoteProgress.RECEIVING: "receiving objects",
+        RemoteProgress.RESOLVING: "resolving deltas",
+        RemoteProgress.FINDING_SOURCES: "finding sources",
+        RemoteProgress.CHECKING_OUT: "checking out files",
+    }
 
+    def __init__(self, bar: Progress, description: str) -> None:
+        super().__init__()
+        self.bar = bar
+        self.description = description
+        self.tasks: dict[int, TaskID] = {}
 
-def parse_progress_line(line: str) -> ProgressLine | None:
-    """Parse one line of ``git fetch --progress`` stderr; None when it is not progress."""
-    line = line.strip()
-    m = _PERCENT.match(line) or _COUNTER.match(line)
-    if m is None:
-        return None
-    detail = (m.group("detail") or "").strip()
-    done = detail == "done." or detail.endswith(", done.")
-    if done:
-        detail = detail[: -len("done.")].rstrip(", ").strip()
-    total = int(m.group("total")) if "total" in m.groupdict() else None
-    return ProgressLine(
-        phase=m.group("phase").strip(),
-        current=int(m.group("cur")),
-        total=total,
-        detail=detail,
-        remote=bool(m.group("remote")),
-        done=done,
-    )
+    def update(self, op_code, cur_count, max_count=None, message="") -> None:
+        stage = op_code & self.OP_MASK
+        total = int(max_count) if max_count else None
+        task = self.tasks.get(stage)
+        if task is None:
+            name = self.PHASES.get(stage, "working")
+            task = self.tasks[stage] = self.bar.add_task(f"{self.description}: {name}", total=total, detail="")
+        done = bool(op_code & self.END) and total is not None
+        self.bar.update(task, completed=total if done else int(cur_count), total=total,
+                        detail=(message or "").strip(", "))
+
+    def messages(self) -> str:
+        """What git said besides progress: the text of an error message."""
+        return "\n".join([*self.other_lines, *self.error_lines])
 
 
 def run_git_with_progress(
@@ -96,7 +89,6 @@ def run_git_with_progress(
     """
     argv = git_command(args)
     console = console or Console(stderr=True)
-    other: list[str] = []
     out: list[bytes] = []
     columns = (
         TextColumn("{task.description}"),
@@ -106,23 +98,8 @@ def run_git_with_progress(
         TextColumn("{task.fields[detail]}"),
     )
     with Progress(*columns, console=console, transient=True) as bar:
-        tasks: dict[str, TaskID] = {}
-
-        def handle(raw: bytes) -> None:
-            text = raw.decode("utf-8", "replace")
-            info = parse_progress_line(text)
-            if info is None:
-                if text.strip():
-                    other.append(text.rstrip())
-                return
-            task = tasks.get(info.phase)
-            if task is None:
-                task = tasks[info.phase] = bar.add_task(
-                    f"{description}: {info.phase.lower()}", total=info.total, detail=""
-                )
-            completed = info.total if info.done and info.total else info.current
-            bar.update(task, completed=completed, total=info.total, detail=info.detail)
-
+        progress = RichProgress(bar, description)
+        handle = progress.new_message_handler()
         try:
             proc = subprocess.Popen(
                 argv,
@@ -137,6 +114,8 @@ def run_git_with_progress(
         assert proc.stdout is not None and proc.stderr is not None
         reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
         reader.start()
+        # Split on \r as well as \n, so that every update moves a bar as git prints it:
+        # GitPython's own pump (handle_process_output) reads by \n only, at the end of each phase.
         pending = b""
         fd = proc.stderr.fileno()
         while True:
@@ -145,14 +124,15 @@ def run_git_with_progress(
                 break
             *lines, pending = re.split(rb"[\r\n]", pending + chunk)
             for raw in lines:
-                handle(raw)
-        if pending:
-            handle(pending)
+                if raw.strip():
+                    handle(raw.decode("utf-8", "replace"))
+        if pending.strip():
+            handle(pending.decode("utf-8", "replace"))
         proc.stderr.close()
         returncode = proc.wait()
         reader.join()
     stdout = b"".join(out).decode("utf-8", "surrogateescape")
-    stderr = "\n".join(other)
+    stderr = progress.messages()
     if check and returncode != 0:
         raise GitError.from_result(list(args), returncode, stderr)
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
