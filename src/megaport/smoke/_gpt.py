@@ -9,11 +9,14 @@ a fresh interpreter with the tree first on sys.path, so two trees never share a 
 
 and prints one JSON document on its last line of stdout.
 
-What it builds is what upstream's training builds from megatron.core: TransformerConfig with the
-fusions of the chosen mode, the GPT layer spec upstream's default ``--transformer-impl`` picks
-(TransformerEngine's, which the port serves with local layers; the local one with fusions off),
-GPTModel, megatron.core's DistributedDataParallel with an fp32 gradient buffer, and the
-optimizer from ``get_megatron_optimizer`` (bf16 params with fp32 main params, grad clipping).
+What it builds is what upstream's training builds from megatron.core. Where the tree has
+megatron/training, upstream's own ``parse_args`` and ``validate_args`` run on the flags of the
+GPT-3 example script (shrunk in size only, mock data and the NullTokenizer; see EXAMPLE_FLAGS) and
+``core_transformer_config_from_args`` builds the TransformerConfig; elsewhere a TransformerConfig
+with upstream's CLI defaults is built here. Then the GPT layer spec of the era's default
+``--transformer-impl`` (TransformerEngine's, which the port serves with local layers; the local one
+with fusions off), GPTModel, megatron.core's DistributedDataParallel with an fp32 gradient buffer,
+and the optimizer from ``get_megatron_optimizer`` (from the parsed arguments where there are some).
 
 Modes:
 - ``ported``: upstream's CLI defaults, i.e. every fusion on (masked softmax, bias-GeLU,
@@ -24,9 +27,9 @@ Modes:
   --no-bias-dropout-fusion --no-rope-fusion`` with the local transformer implementation.
 
 On CPU, upstream's CUDA-only plumbing gets the smallest substitutions, each reported under
-``substitutions``: the global memory buffer allocates on the CPU and the CUDA RNG tracker's fork()
-is a no-op (dropout is 0, so no random numbers are drawn in it). No code the port changed is
-substituted.
+``substitutions``: tensors it places on 'cuda' go to the CPU (cpu_device_placement), the global
+memory buffer allocates on the CPU and the CUDA RNG tracker's fork() is a no-op (dropout is 0, so
+no random numbers are drawn in it). No code the port changed is substituted.
 """
 
 from __future__ import annotations
