@@ -29,8 +29,12 @@ import re
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megaport.errors import MegaportError
+
+if TYPE_CHECKING:  # GitPython is imported where it is used: `megaport --help` stays fast
+    from git import Repo
 
 __all__ = [
     "BYTE_EXACT_CONFIG",
@@ -299,7 +303,7 @@ def ls_tree_paths(repo: str | os.PathLike[str], commit: str, prefix: str = "") -
     return [p for p in out.split("\0") if p]
 
 
-def open_repo(repo: str | os.PathLike[str]) -> "git.Repo":
+def open_repo(repo: str | os.PathLike[str]) -> Repo:
     """A GitPython ``Repo`` that runs git with megaport's environment (see :func:`git_env`):
     no inherited ``GIT_DIR``/``GIT_INDEX_FILE`` points it elsewhere, prompts are off."""
     import git

@@ -26,8 +26,12 @@ tree: edit megaport's source and regenerate the patch series.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
+import importlib.util
+import inspect
 import math
+import os
 import sys
 import types
 
@@ -131,8 +135,6 @@ _SAID = set()
 
 def say_once(message: str) -> None:
     """Print one ``> ROCm port:`` line per distinct message, on rank 0 only."""
-    import os
-
     if message in _SAID or os.environ.get("RANK", "0") != "0":
         return
     _SAID.add(message)
@@ -153,8 +155,6 @@ _TE_OPTIONAL = ("SplitAlongDim", "get_cpu_offload_context", "te_checkpoint", "TE
 
 
 def _transformer_engine_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -184,8 +184,6 @@ class _TransformerEngineLayersStandIn(importlib.abc.MetaPathFinder, importlib.ab
     def find_spec(self, fullname, path=None, target=None):
         if fullname != _TE_LAYERS_MODULE or _transformer_engine_installed():
             return None
-        import importlib.util
-
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
@@ -216,13 +214,10 @@ def local_spec_without_transformer_engine(te_spec, local_spec):
 
     The pair is upstream's GPT layer spec builders (or, from 2026, the *_submodules builders
     they delegate to). ``--transformer-impl transformer_engine`` is upstream's default and every
-    example script's;
-    ROCm has no TransformerEngine, so the same model is built from Megatron's local PyTorch
-    layers (with this module's softmax and layer norm).  Arguments are passed on by name; a
+    example script's; ROCm has no TransformerEngine, so the same model is built from Megatron's
+    local PyTorch layers (with this module's softmax and layer norm).  Arguments are passed on by name; a
     TE-only option that is switched on is an error, not silently dropped.
     """
-    import functools
-    import inspect
 
     @functools.wraps(te_spec)
     def spec(*args, **kwargs):
@@ -256,8 +251,9 @@ def local_spec_without_transformer_engine(te_spec, local_spec):
 #   ``_softmax_backward_data`` call writing the input gradient.  Extra memory for forward and
 #   backward together: the output and the gradient, 2x the input.
 # * Otherwise (other scales, or a bf16 padding mask) the work is done in fp32, as in the
-#   kernels, in an fp32 workspace that covers a bounded block of rows at a time and is reused: 1/16 of the
-#   tensor on GPUs (2.25x the input at peak, fwd+bwd), about 16 MiB on CPUs, where blocks
+#   kernels, in an fp32 workspace that covers a bounded block of rows at a time and is
+#   reused: 1/16 of the tensor on GPUs (2.25x the input at peak, fwd+bwd), about 16 MiB on
+#   CPUs, where blocks
 #   are kept large because each op is a parallel region and many small regions slow down
 #   badly when other processes compete for the cores.
 _CPU_BLOCK_ELEMENTS = 1 << 22
@@ -325,6 +321,7 @@ def _exact_in_input_dtype(dtype: torch.dtype, scale: float) -> bool:
     return 0.0 < scale <= 1.0 and mantissa == 0.5
 
 
+@functools.lru_cache(maxsize=None)
 def _holds_exactly(dtype: torch.dtype, value: float) -> bool:
     """Whether ``dtype`` represents ``value``: fp16 holds -10000.0, bf16 rounds it to -9984.0,
     which would tie with unmasked logits the kernel keeps apart (-inf is held by all)."""

@@ -257,11 +257,13 @@ def upstream_args(run: Run, facts: dict):
     return args, arguments
 
 
-def _has_ddp_config() -> bool:
+def _ddp_module():
+    """megatron.core.distributed where the era has its DDP config (and main_grad buffers), else None."""
     try:
-        return hasattr(importlib.import_module("megatron.core.distributed"), "DistributedDataParallelConfig")
+        module = importlib.import_module("megatron.core.distributed")
     except ModuleNotFoundError:
-        return False
+        return None
+    return module if hasattr(module, "DistributedDataParallelConfig") else None
 
 
 def _config(run: Run, torch, facts: dict):
@@ -276,7 +278,7 @@ def _config(run: Run, torch, facts: dict):
     )
     if not on:
         wanted["apply_rope_fusion"] = False
-    if not _has_ddp_config():  # the fusion accumulates into DDP's main_grad buffers
+    if _ddp_module() is None:  # the fusion accumulates into DDP's main_grad buffers
         wanted["gradient_accumulation_fusion"] = False
         facts["gradient_accumulation_fusion"] = "off: this era's megatron.core has no DDP with main_grad buffers"
     accepted = _filtered(tc.TransformerConfig, wanted)
@@ -331,14 +333,11 @@ def _layer_spec(run: Run, facts: dict, impl_from_args=None):
 
 def _wrap_ddp(config, model, facts: dict):
     """megatron.core's DDP with an fp32 gradient buffer (main_grad), where the era has its config."""
-    try:
-        ddp_mod = importlib.import_module("megatron.core.distributed")
-    except ModuleNotFoundError:
-        ddp_mod = None
-    ddp_config_cls = getattr(ddp_mod, "DistributedDataParallelConfig", None)
-    if ddp_config_cls is None:
+    ddp_mod = _ddp_module()
+    if ddp_mod is None:
         facts["ddp"] = "none in this era: plain autograd gradients"
         return model, False
+    ddp_config_cls = ddp_mod.DistributedDataParallelConfig
     ddp_config = ddp_config_cls(**_filtered(ddp_config_cls, dict(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)))
     parallel_state = importlib.import_module("megatron.core.parallel_state")
