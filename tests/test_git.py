@@ -15,6 +15,7 @@ from megaport.errors import MegaportError
 from megaport.git import (
     BlobReader,
     GitError,
+    ObjectReader,
     git_env,
     git_reason,
     has_commit,
@@ -242,6 +243,30 @@ def test_blob_reader_submodule_entry(tmp_path: Path) -> None:
         assert tree.exists("third_party/sub")
         assert tree.read("third_party/sub") is None
         assert tree.list_dir("third_party") == ["sub"]
+
+
+def test_commits_sharing_directories_ask_git_only_for_what_changed(repo: Path, monkeypatch) -> None:
+    """Drift reads the same files of thousands of commits: an unchanged directory or file is
+    asked of git once, whichever commit it is read through."""
+    asked: list[str] = []
+    original = ObjectReader.get
+
+    def counting(self, name):
+        asked.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(ObjectReader, "get", counting)
+    with ObjectReader(repo) as objects:
+        first, second = objects.tree("v1"), objects.tree("HEAD")
+        assert first.read("pkg/core/mod.py") == second.read("pkg/core/mod.py") == b"x = 1\n"
+        assert first.read("pkg/core/util.py") == b"y = 2\n" and second.read("pkg/core/util.py") is None
+        assert first.read("README.md") == b"# upstream\n" and second.read("README.md") == b"# upstream v2\n"
+        before = len(asked)
+        assert objects.tree("HEAD").read("pkg/core/mod.py") == b"x = 1\n"  # all cached but HEAD's name
+        assert len(asked) == before + 1
+    # 2 commits, 2 root trees, pkg and pkg/core of each (util.py was removed: new trees),
+    # mod.py once, util.py once, two READMEs, and HEAD's name again.
+    assert len(asked) == 2 + 2 + 4 + 1 + 1 + 2 + 1
 
 
 def test_blob_reader_bad_commit_and_paths(repo: Path) -> None:

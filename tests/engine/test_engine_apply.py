@@ -135,6 +135,24 @@ def test_every_hunk_and_file_is_reported_not_just_the_first_failure() -> None:
     assert result.changes == {}
 
 
+def test_without_nearest_search_every_outcome_is_the_same_and_no_nearest_is_given() -> None:
+    """drift ranks series on outcomes alone (find_nearest=False): the same outcomes, no search."""
+    a_new = _edit(_edit(BASE, "line 2\n", "two\n"), "line 18\n", "eighteen\n")
+    text = make_file_diff("a.py", BASE, a_new) + make_file_diff("b.py", BASE, TARGET)
+    patch = parse_patch(text, "0003-two-files.patch")
+    tree = {"a.py": _edit(BASE, "line 2\n", "line 2 upstream\n"), "b.py": BASE}
+
+    full = apply_patch(patch, tree.get, max_fuzz=0)
+    ranked = apply_patch(patch, tree.get, max_fuzz=0, find_nearest=False)
+
+    assert ranked.status == full.status == "failed"
+    assert [(h.file, h.index, h.outcome, h.line) for h in ranked.hunks] == [
+        (h.file, h.index, h.outcome, h.line) for h in full.hunks
+    ]
+    assert full.failed_hunks[0].nearest_line is not None
+    assert ranked.failed_hunks[0].nearest_line is None and ranked.failed_hunks[0].similarity is None
+
+
 def test_already_applied_is_detected_and_changes_nothing() -> None:
     result = apply_patch(PATCH, {"megatron/x.py": TARGET}.get)
 

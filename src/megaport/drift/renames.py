@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from megaport.engine.blob import git_blob_id
-from megaport.git import run_git
-
-from megaport.git import ObjectReader, ls_tree_paths
+from megaport.git import ObjectReader, ls_tree_paths, run_git
 
 #: A same-name file must be at least this similar to count as the moved file.
 MIN_SIMILARITY = 0.5
@@ -87,15 +85,19 @@ class MoveFinder:
         if path not in self._holding:
             held = []
             for base in self.bases:
-                found = self.objects.get(f"{base}:{path}")
-                if found is not None and found[0] == "blob":
-                    held.append((base, found[1]))
+                blob = self._blob_id(base, path)
+                if blob is not None:
+                    held.append((base, blob))
             self._holding[path] = held
         holding = [(base, blob) for base, blob in self._holding[path] if base != sha]
         exact = [base for base, blob in holding if wanted is not None and blob == wanted]
         if exact:
             return exact[0]
         return holding[0][0] if holding else None
+
+    def _blob_id(self, commit: str, path: str) -> Optional[str]:
+        """The blob at ``path`` in ``commit``, through the reader's tree cache."""
+        return self.objects.tree(commit).blob_id(path)
 
     def _rename_map(self, base: str, sha: str) -> dict[str, Optional[str]]:
         """Old path -> new path (renamed) or None (deleted), from base to sha."""
@@ -134,12 +136,12 @@ class MoveFinder:
             return (candidates[0], None) if len(candidates) == 1 and preimage is None else None
         scored = []
         for candidate in candidates:
-            found = self.objects.get(f"{sha}:{candidate}")
-            if found is None or found[0] != "blob":
+            blob = self._blob_id(sha, candidate)
+            if blob is None:
                 continue
-            key = (found[1], wanted)
+            key = (blob, wanted)
             if key not in self._ratios:
-                self._ratios[key] = _ratio(preimage, found[2])
+                self._ratios[key] = _ratio(preimage, self.objects.blob(blob) or b"")
             scored.append((self._ratios[key], -abs(len(candidate) - len(path)), candidate))
         if not scored:
             return None

@@ -48,6 +48,7 @@ class _Limits:
     max_fuzz: int
     max_offset: Optional[int]
     report: bool = False
+    find_nearest: bool = True
 
 
 _EXACT = _Limits(max_fuzz=0, max_offset=0)
@@ -65,10 +66,11 @@ class _Attempt:
         return all(file.ok for file in self.files)
 
 
-def apply_patch(patch: Patch, read: Reader, *, max_fuzz: int = 0) -> PatchResult:
+def apply_patch(patch: Patch, read: Reader, *, max_fuzz: int = 0, find_nearest: bool = True) -> PatchResult:
     """Apply ``patch`` to the files ``read`` returns. Status is "applied" (``changes`` holds
     the new contents), "already-applied" (the reverse patch fits the current files) or
-    "failed" (every hunk's outcome is reported, ``changes`` is empty)."""
+    "failed" (every hunk's outcome is reported, ``changes`` is empty). ``find_nearest=False`` skips
+    the search for where a failed hunk comes closest (drift's fit of series nobody sees)."""
     if max_fuzz < 0:
         raise ValueError("max_fuzz must be >= 0")
     reverse = reverse_patch(patch)
@@ -79,7 +81,7 @@ def apply_patch(patch: Patch, read: Reader, *, max_fuzz: int = 0) -> PatchResult
     undone = _attempt(reverse, read, _EXACT)
     if undone.ok:
         return _already_applied(patch, undone)
-    forward = _attempt(patch, read, _Limits(max_fuzz=max_fuzz, max_offset=None, report=True))
+    forward = _attempt(patch, read, _Limits(max_fuzz=max_fuzz, max_offset=None, report=True, find_nearest=find_nearest))
     if forward.ok:
         return PatchResult(patch.name, "applied", forward.files, forward.changes)
     undone = _attempt(reverse, read, _Limits(max_fuzz=0, max_offset=None))
@@ -179,6 +181,7 @@ def _apply_file(
         max_fuzz=limits.max_fuzz,
         max_offset=limits.max_offset,
         report=limits.report,
+        find_nearest=limits.find_nearest,
     )
     result = FileResult(file.path, _old_path_for_report(file), file.action, hunks)
     if text is None:
@@ -271,13 +274,15 @@ def patch_text(
     max_fuzz: int = 0,
     max_offset: Optional[int] = None,
     report: bool = True,
+    find_nearest: bool = True,
 ) -> tuple[Optional[str], tuple[HunkResult, ...]]:
     """Apply ``hunks`` to one file's text. Returns the new text (None if any hunk failed)
     and every hunk's result. Lines outside the hunks, and context lines, are copied from the
     file, so its line endings survive; added lines take the file's ending when the hunk's
     endings had to be ignored to match (LF patch on a CRLF file or the other way round).
     With ``report=False`` it stops at the first failed hunk without searching for the
-    nearest match (used by the passes whose failures nobody sees)."""
+    nearest match (used by the passes whose failures nobody sees); with ``find_nearest=False`` it
+    reports every hunk's outcome but does not search for a failed hunk's nearest match."""
     lines = split_lines(text)
     file_uses_crlf = uses_crlf(lines)
     cr_blind_lines: Optional[list[str]] = None
@@ -299,9 +304,11 @@ def patch_text(
             placement = locate(keys, used, expected, max_fuzz, cursor, max_offset=max_offset)
             ending = "\r\n" if file_uses_crlf else "\n"
         if placement is None:
-            if not report:
+            if not report or not find_nearest:
                 results.append(HunkResult(path, index, hunk.header, "failed", 0, 0, None))
-                return None, tuple(results)
+                if not report:
+                    return None, tuple(results)
+                continue
             literal = keys is lines
             if literal not in token_indexes:
                 token_indexes[literal] = TokenIndex(keys)
