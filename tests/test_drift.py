@@ -224,6 +224,30 @@ def test_a_renamed_file_is_missing_with_its_new_path(upstream, catalogue):
     assert "git rename detection" in hunk["reason"]
 
 
+def test_a_move_is_found_once_and_followed_on_every_later_ref(tmp_path, monkeypatch):
+    """Over a long history, where a file went is asked of git's rename detection once, not once
+    per ref (between commits years apart that diff is what made whole-history drift slow)."""
+    import megaport.drift.renames as renames
+
+    repo, patches, v1 = build_upstream(tmp_path)
+    git(repo, "checkout", "--quiet", "-b", "long", "s_renamed")
+    for n in range(6):
+        commit(repo, {"megatron/core/f.py": f"n = {n}\n"}, f"later {n}")
+    catalogue = demo_catalogue(tmp_path / "catalogue", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
+    diffs = []
+    real_run_git = renames.run_git
+    monkeypatch.setattr(renames, "run_git", lambda args, *a, **k: diffs.append(args) or real_run_git(args, *a, **k))
+
+    code, report = drift_json(repo, catalogue, "long", extra=("--last", "7"))
+
+    assert code == 2 and len(report["refs"]) == 7
+    for entry in report["refs"]:
+        (hunk,) = {p["name"]: p["hunks"] for p in entry["patches"]}["0005-e.patch"]
+        assert hunk["status"] == "missing" and hunk["new_path"] == "megatron/core/moved/e.py"
+        assert "git rename detection" in hunk["reason"]
+    assert len([args for args in diffs if args[0] == "diff"]) == 1
+
+
 def test_a_renamed_file_is_found_by_name_without_a_commit_to_compare(upstream, tmp_path):
     repo, patches, _ = upstream
     untested = demo_catalogue(tmp_path / "untested", patches)

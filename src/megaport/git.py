@@ -348,8 +348,10 @@ class ObjectReader:
     def __init__(self, repo: str | os.PathLike[str]) -> None:
         self.repo = Path(repo)
         self._blobs: dict[str, bytes] = {}
+        self._absent: set[str] = set()
         self._trees: dict[str, dict[str, tuple[int, str]]] = {}
         self._roots: dict[str, tuple[str, str]] = {}
+        self._times: dict[str, int] = {}
         self._git = open_repo(self.repo)
 
     def __enter__(self) -> ObjectReader:
@@ -394,13 +396,22 @@ class ObjectReader:
         return kind, oid, data
 
     def blob(self, oid: str | None) -> bytes | None:
-        """The blob ``oid`` (full or abbreviated), or None when it is not in the repository."""
-        if not oid or set(oid) == {"0"}:
+        """The blob ``oid`` (full or abbreviated), or None when it is not in the repository.
+        An absent blob is asked once (drift looks up every patch's preimage on every ref) until
+        :meth:`objects_added`."""
+        if not oid or set(oid) == {"0"} or oid in self._absent:
             return None
         if oid in self._blobs:
             return self._blobs[oid]
         found = self.get(oid)
-        return found[2] if found is not None and found[0] == "blob" else None
+        if found is None or found[0] != "blob":
+            self._absent.add(oid)
+            return None
+        return found[2]
+
+    def objects_added(self) -> None:
+        """Something was fetched into the repository: blobs that were absent may be there now."""
+        self._absent.clear()
 
     def commit(self, rev: str) -> tuple[str, str] | None:
         """``(commit id, root tree id)`` of the commit ``rev`` names (a sha, a ref, ``main~3``),
@@ -413,7 +424,14 @@ class ObjectReader:
         answer = found[1], found[2][5:45].decode("ascii")
         if _HEX_SHA.fullmatch(rev):  # names that can move are asked again next time
             self._roots[rev] = answer
+        committer = re.search(rb"^committer .*> (\d+) [-+]\d{4}$", found[2].split(b"\n\n", 1)[0], re.M)
+        self._times[answer[0]] = int(committer.group(1)) if committer else 0
         return answer
+
+    def commit_time(self, rev: str) -> int | None:
+        """When the commit ``rev`` names was committed (seconds since the epoch), or None."""
+        found = self.commit(rev)
+        return self._times[found[0]] if found is not None else None
 
     def entries(self, tree: str) -> dict[str, tuple[int, str]]:
         """``name -> (mode, object id)`` of the tree object ``tree``, in git's order (parsed by

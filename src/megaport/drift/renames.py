@@ -2,13 +2,17 @@
 
 1. git's own rename detection (``git diff --find-renames``) between a commit that still has the
    file and the checked commit. Such commits: the series' tested shas that the repository holds,
-   and the other refs of the same drift run, preferring one whose blob is the patch's preimage.
+   and the other refs of the same drift run; the one committed nearest before the checked commit
+   is asked, so the diff is short (rename detection compares every deleted file with every added
+   one: between commits years apart that is thousands of files, per checked ref). Where the file
+   went from that commit is remembered: later refs where it is still there need no diff.
 2. Failing that, a search of the checked tree for files with the same name, scored by how
    similar they are to the preimage (or, without one, to the hunks' old lines).
 """
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import posixpath
 from pathlib import Path
@@ -29,8 +33,9 @@ class MoveFinder:
         self.objects = objects
         self.bases = list(dict.fromkeys(bases))
         self._renames: dict[tuple[str, str], dict[str, Optional[str]]] = {}
+        self._went: dict[tuple[str, str], str] = {}
         self._files: dict[str, dict[str, list[str]]] = {}
-        self._holding: dict[str, list[tuple[str, str]]] = {}
+        self._holding: dict[str, list[tuple[int, int, str]]] = {}
         self._located: dict[tuple[str, str, Optional[str]], tuple[Optional[str], str]] = {}
         self._ratios: dict[tuple[str, Optional[str]], float] = {}
 
@@ -51,7 +56,7 @@ class MoveFinder:
 
     def has_base(self, path: str, sha: str) -> bool:
         """True when a commit other than ``sha`` is known to have ``path``."""
-        return self._base_holding(path, None, sha) is not None
+        return self._base_holding(path, sha) is not None
 
     def locate(self, sha: str, path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
         """``(new path or None, what happened)`` for ``path``, absent from ``sha``."""
@@ -64,12 +69,17 @@ class MoveFinder:
     def _locate(
         self, sha: str, path: str, preimage: Optional[bytes], wanted: Optional[str]
     ) -> tuple[Optional[str], str]:
-        base = self._base_holding(path, wanted, sha)
+        base = self._base_holding(path, sha)
         if base is not None:
-            renames = self._rename_map(base, sha)
+            went = self._went.get((base, path))
+            if went is not None and self._blob_id(sha, went) is not None:
+                renames = {path: went}  # it went there from base, and it is still there
+            else:
+                renames = self._rename_map(base, sha)
             if path in renames:
                 new = renames[path]
                 if new is not None:
+                    self._went[(base, path)] = new
                     return new, f"file was renamed to {new} (git rename detection from {base[:12]})"
                 found = self._same_name(sha, path, preimage, wanted)
                 if found:
@@ -80,20 +90,19 @@ class MoveFinder:
             return found[0], f"file is gone; {_similar(*found)}"
         return None, "file does not exist upstream"
 
-    def _base_holding(self, path: str, wanted: Optional[str], sha: str) -> Optional[str]:
-        """A commit other than ``sha`` that has ``path``, best one whose blob is the preimage."""
+    def _base_holding(self, path: str, sha: str) -> Optional[str]:
+        """The commit other than ``sha`` that has ``path`` and was committed nearest before ``sha``
+        (else nearest after): the shortest diff to ask git's rename detection."""
         if path not in self._holding:
-            held = []
-            for base in self.bases:
-                blob = self._blob_id(base, path)
-                if blob is not None:
-                    held.append((base, blob))
-            self._holding[path] = held
-        holding = [(base, blob) for base, blob in self._holding[path] if base != sha]
-        exact = [base for base, blob in holding if wanted is not None and blob == wanted]
-        if exact:
-            return exact[0]
-        return holding[0][0] if holding else None
+            held = [base for base in self.bases if self._blob_id(base, path) is not None]
+            self._holding[path] = sorted((self.objects.commit_time(base) or 0, -n, base) for n, base in enumerate(held))
+        holding = self._holding[path]
+        when = self.objects.commit_time(sha) or 0
+        at = bisect.bisect_right(holding, (when, 1, ""))  # the first of those committed after sha
+        for i in [*range(at - 1, max(at - 3, -1), -1), *range(at, min(at + 2, len(holding)))]:
+            if holding[i][2] != sha:  # sha itself is one of two neighbours at most
+                return holding[i][2]
+        return None
 
     def _blob_id(self, commit: str, path: str) -> Optional[str]:
         """The blob at ``path`` in ``commit``, through the reader's tree cache."""

@@ -171,6 +171,7 @@ class DriftSession:
             except MegaportError:
                 self._fetch_failed = True  # offline, or the catalogue names shas this repo lacks
                 return False
+            self.objects.objects_added()
             self.moves.add_base(sha)
             if satisfied():
                 return True
