@@ -199,6 +199,21 @@ def test_symlink_escape_is_refused_before_any_write(tmp_path):
     assert not dest.exists() and not Path("/tmp/evil.py").exists()
 
 
+def test_a_patched_script_keeps_its_executable_bit(tmp_path):
+    repo = upstream(tmp_path, {**BASE, "tools/run.sh": "#!/bin/sh\necho upstream\n"})
+    os.chmod(repo / "tools/run.sh", 0o755)
+    commit(repo, {}, "make run.sh executable")
+    git(repo, "tag", "-f", "v1")
+    patch = diff_for(repo, {"tools/run.sh": "#!/bin/sh\necho rocm\n"}, "script")
+    patches = catalogue(tmp_path, {"0001-script.patch": patch})
+    dest = tmp_path / "ported"
+    result = invoke("apply", "--ref", "v1", "--repo", str(repo), "--dest", str(dest), "--patches", str(patches))
+    assert result.exit_code == 0, result.output
+    assert (dest / "tools/run.sh").read_text() == "#!/bin/sh\necho rocm\n"
+    assert os.access(dest / "tools/run.sh", os.X_OK)
+    assert git(dest, "ls-tree", "HEAD", "tools/run.sh").split()[0] == "100755"
+
+
 def test_builtin_series_are_listed_with_their_tested_refs():
     result = invoke("series", "--json", "-")
     assert result.exit_code == 0

@@ -513,6 +513,12 @@ class BlobReader:
             return None
         return found[1]
 
+    def mode(self, path: str) -> str | None:
+        """git's mode of ``path`` as ``ls-tree`` prints it (``100644``, ``100755``, ``120000`` for
+        a symbolic link, ``040000``, ``160000``), or None when nothing is there."""
+        found = self._entry(path)
+        return f"{found[0]:06o}" if found is not None else None
+
     def exists(self, path: str) -> bool:
         """True when ``path`` is a file, a directory or a submodule entry in the commit."""
         return self._entry(path) is not None

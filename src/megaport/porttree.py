@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from megaport import __version__
 from megaport.errors import MegaportError
-from megaport.git import BackgroundGit, is_dirty, rev_parse, run_git
+from megaport.git import BackgroundGit, BlobReader, is_dirty, rev_parse, run_git
 
 if TYPE_CHECKING:  # the engine loads while the background checkout runs, not before it starts
     from megaport.plan import SeriesPlan
@@ -88,37 +88,23 @@ def read_state(tree: Path) -> PortState | None:
         raise MegaportError(f"{gitdir / STATE_FILE} is damaged ({exc}); re-run apply into a new --dest") from None
 
 
-def check_symlink_escape(repo: Path, sha: str, paths: list[str]) -> None:
+def check_symlink_escape(tree: BlobReader, paths: list[str]) -> None:
     """Refuse a series that would write through a symbolic link in the upstream tree.
 
     git itself never writes beyond a link, but a user must hear it as a refusal before anything is
     written, not as a half-made tree.
     """
     prefixes = sorted({str(Path(*Path(p).parts[: i + 1])) for p in paths for i in range(len(Path(p).parts))})
-    if not prefixes:
-        return
-    listing = run_git(["ls-tree", "-z", sha, "--", *prefixes], repo).stdout
-    for entry in listing.split("\0"):
-        if not entry:
-            continue
-        meta, path = entry.split("\t", 1)
-        if meta.split()[0] == SYMLINK_MODE:
+    for path in prefixes:
+        if tree.mode(path) == SYMLINK_MODE:
             raise MegaportError(
                 f"refusing series: it writes through '{path}', a symbolic link in the upstream tree"
             )
 
 
-def file_modes(repo: Path, sha: str, paths: list[str]) -> dict[str, str]:
+def file_modes(tree: BlobReader, paths: list[str]) -> dict[str, str]:
     """Modes of existing files, so a patched script keeps its executable bit."""
-    if not paths:
-        return {}
-    listing = run_git(["ls-tree", "-z", sha, "--", *paths], repo).stdout
-    modes = {}
-    for entry in listing.split("\0"):
-        if entry:
-            meta, path = entry.split("\t", 1)
-            modes[path] = meta.split()[0]
-    return modes
+    return {path: mode for path in paths if (mode := tree.mode(path)) is not None}
 
 
 def fast_import_stream(plan: SeriesPlan, parent: str, branch: str, modes: dict[str, str]) -> bytes:

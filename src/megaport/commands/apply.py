@@ -53,11 +53,13 @@ def apply(options: ApplyOptions, make_console: Callable) -> int:
     resolved = store.resolve(options.repo, options.ref)
     dest = options.dest.expanduser().absolute()
     staging = None if options.dry_run or _in_use(dest) else start_staging(store, resolved, dest)
+    upstream = None
     try:
         from megaport.report import render_plan
 
         console = make_console()
-        choice = _choose(options, catalogue, resolved)
+        upstream = BlobReader(resolved.repo, resolved.sha)  # upstream's files, read without a checkout
+        choice = _choose(options, catalogue, resolved, upstream)
         console.print(f"upstream {resolved.url} @ {options.ref} = {resolved.sha[:12]}")
         console.print(f"series [bold]{choice.series.name}[/] ({choice.series.era}): {choice.reason}")
         render_plan(console, choice.plan, title="dry run" if options.dry_run else "patches")
@@ -69,26 +71,27 @@ def apply(options: ApplyOptions, make_console: Callable) -> int:
             _report(options, resolved, choice.plan, choice.reason, "planned")
             console.print("dry run: nothing was written")
             return 0
-        status = _write_tree(dest, resolved, choice, console, staging)
+        status = _write_tree(dest, resolved, choice, console, staging, upstream)
         staging = None
     finally:
         if staging is not None:
             staging.discard()
+        if upstream is not None:
+            upstream.close()
     _report(options, resolved, choice.plan, choice.reason, status)
     return 0
 
 
-def _choose(options: ApplyOptions, catalogue, resolved: ResolvedRef) -> Choice:
+def _choose(options: ApplyOptions, catalogue, resolved: ResolvedRef, tree: BlobReader) -> Choice:
     from megaport.selection import choose_series, forced_choice
 
-    with BlobReader(resolved.repo, resolved.sha) as tree:
-        if options.series:
-            return forced_choice(catalogue, options.series, tree, max_fuzz=options.max_fuzz)
-        try:
-            return choose_series(catalogue, tree, max_fuzz=options.max_fuzz)
-        except MegaportError as exc:
-            _report(options, resolved, None, "", "failed", error=str(exc))
-            raise
+    if options.series:
+        return forced_choice(catalogue, options.series, tree, max_fuzz=options.max_fuzz)
+    try:
+        return choose_series(catalogue, tree, max_fuzz=options.max_fuzz)
+    except MegaportError as exc:
+        _report(options, resolved, None, "", "failed", error=str(exc))
+        raise
 
 
 def _in_use(dest: Path) -> bool:
@@ -119,7 +122,9 @@ def _report(options, resolved, plan, reason, status, error=None) -> None:
     )
 
 
-def _write_tree(dest: Path, resolved: ResolvedRef, choice: Choice, console, staging: Staging | None) -> str:
+def _write_tree(
+    dest: Path, resolved: ResolvedRef, choice: Choice, console, staging: Staging | None, upstream: BlobReader
+) -> str:
     """Finish the staged tree and move it to DEST, or confirm an existing identical port."""
     if staging is None:
         if _existing_port_matches(dest, resolved, choice):
@@ -129,8 +134,8 @@ def _write_tree(dest: Path, resolved: ResolvedRef, choice: Choice, console, stag
     try:
         plan = choice.plan
         changed = sorted({path for p in plan.patches if p.result for path in p.result.changes})
-        check_symlink_escape(resolved.repo, resolved.sha, changed)
-        modes = file_modes(resolved.repo, resolved.sha, changed)
+        check_symlink_escape(upstream, changed)
+        modes = file_modes(upstream, changed)
         branch = branch_name(choice.series.name)
         commits = commit_plan(staging.tmp, plan, resolved.sha, branch, modes)
         staging.checkout.wait()
