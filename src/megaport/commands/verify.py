@@ -286,6 +286,12 @@ def report(console, document: dict, state: PortState) -> None:
         table.add_row("loss vs upstream", f"max {parity['max_relative_difference']:.2e} relative over "
                                           f"{parity['steps']} steps, same seed and batches; against "
                                           f"{escape(parity.get('against', 'upstream, fusions off'))}")
+    pretrain = device.get("pretrain_gpt")
+    if pretrain:
+        table.add_row("pretrain_gpt.py", escape(f"{pretrain['ms_per_iter']:.1f} ms/iter, {pretrain['tokens_per_s']:.0f} "
+                                                f"tokens/s; loss {pretrain['losses'][0]} → {pretrain['losses'][-1]}; "
+                                                f"{pretrain['data']}"))
+        table.add_row("pretrain command", escape(pretrain["command"]))
     not_run = device.get("gpu_only_not_run")
     if not_run:
         table.add_row("GPU-only cases", f"{len(not_run)} not run on CPU (deselected)")

@@ -11,7 +11,7 @@ and prints one JSON document on its last line of stdout.
 
 What it builds is what upstream's training builds from megatron.core. Where the tree has
 megatron/training, upstream's own ``parse_args`` and ``validate_args`` run on the flags of the
-GPT-3 example script (shrunk in size only, mock data and the NullTokenizer; see EXAMPLE_FLAGS) and
+GPT-3 example script (shrunk in size only, mock data and the NullTokenizer; see megaport.smoke._example) and
 ``core_transformer_config_from_args`` builds the TransformerConfig; elsewhere a TransformerConfig
 with upstream's CLI defaults is built here. Then the GPT layer spec of the era's default
 ``--transformer-impl`` (TransformerEngine's, which the port serves with local layers; the local one
@@ -51,6 +51,8 @@ import sys
 import tarfile
 import tempfile
 import time
+
+from megaport.smoke import _example as example
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -171,67 +173,6 @@ def cpu_device_placement(torch, substitutions: list):
         torch.cuda.current_device, torch.cuda.current_stream = saved
 
 
-# upstream's examples/gpt3/train_gpt3_175b_distributed.sh (2024 to today): its model, training and
-# parallelism flags. Sizes are shrunk (SIZE_FLAGS); the data, tokenizer, checkpoint and logging
-# paths are replaced by mock data and the NullTokenizer. A tree that has the script is read instead.
-EXAMPLE_SCRIPT = "examples/gpt3/train_gpt3_175b_distributed.sh"
-EXAMPLE_FLAGS = (
-    "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
-    "--max-position-embeddings 2048 --attention-backend auto "
-    "--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375 "
-    "--train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 "
-    "--clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 "
-    "--lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16"
-).split()
-# Flags whose values are paths or I/O: dropped, with mock data and the NullTokenizer instead; and
-# the batch-size ramp-up, a schedule over millions of samples (some eras refuse it with
-# --train-iters), which says nothing at a few steps.
-IO_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir",
-            "--save-interval", "--eval-interval", "--eval-iters", "--log-interval", "--split",
-            "--rampup-batch-size")
-MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--split", "949,50,1", "--log-interval", "1",
-             "--eval-interval", "1000", "--eval-iters", "0"]
-# What a ROCm user without megaport adds to run upstream at all.
-FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-                     "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-                     "--transformer-impl", "local"]
-
-
-def _script_flags(tree: str) -> tuple[list, str]:
-    """The example script's flags, from the tree when it has the script, else the copy above."""
-    path = os.path.join(tree, EXAMPLE_SCRIPT)
-    if not os.path.isfile(path):
-        return list(EXAMPLE_FLAGS), f"{EXAMPLE_SCRIPT} as of 2024-2026 (the tree has no examples/)"
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    tokens = []
-    for block in re.findall(r"^\s*\w+_ARGS=\((.*?)\)", text, flags=re.S | re.M):
-        tokens += [t for t in re.split(r"\s+", block.replace("\\\n", " ")) if t and not t.startswith("#")]
-    return tokens, f"{EXAMPLE_SCRIPT} of the tree"
-
-
-def _shrunk(tokens: list, run: Run) -> list:
-    """The script's flags with sizes from ``run`` and no parallelism beyond one rank."""
-    sizes = {"--num-layers": [run.layers], "--hidden-size": [run.hidden], "--num-attention-heads": [run.heads],
-             "--seq-length": [run.seq], "--max-position-embeddings": [run.seq], "--micro-batch-size": [run.batch],
-             "--global-batch-size": [run.batch],
-             "--train-iters": [run.steps], "--lr-decay-iters": [run.steps], "--tensor-model-parallel-size": [1],
-             "--pipeline-model-parallel-size": [1], "--lr": [run.lr]}
-    out, i = [], 0
-    while i < len(tokens):
-        flag = tokens[i]
-        values = []
-        i += 1
-        while i < len(tokens) and not tokens[i].startswith("--"):
-            values.append(tokens[i])
-            i += 1
-        if flag in IO_FLAGS or not flag.startswith("--"):
-            continue
-        out += [flag] + [str(v) for v in sizes.get(flag, values)]
-    return out + MOCK_DATA + ["--vocab-size", str(run.vocab), "--seed", str(run.seed),
-                              "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
-
-
 def upstream_args(run: Run, facts: dict):
     """Upstream's own parse_args + validate_args on the shrunk example flags, or None for trees
     without megatron/training (PyPI's megatron-core before 0.17)."""
@@ -243,8 +184,9 @@ def upstream_args(run: Run, facts: dict):
         raise
     if not hasattr(arguments, "core_transformer_config_from_args"):
         return None
-    tokens, source = _script_flags(run.tree)
-    flags = _shrunk(tokens, run) + (FUSIONS_OFF_FLAGS if run.mode == "fusions-off" else [])
+    tokens, source = example.example_flags(run.tree)
+    flags = example.shrunk(tokens, run, data=example.mock_data(run))
+    flags += example.FUSIONS_OFF_FLAGS if run.mode == "fusions-off" else []
     saved = sys.argv
     sys.argv = ["pretrain_gpt.py"] + flags
     try:
