@@ -912,3 +912,81 @@ def test_te_layers_stand_in_names(rp):
         rp._te_layers_attribute("te_helper")()
     with pytest.raises(AttributeError):
         rp._te_layers_attribute("__path__")
+
+
+# -- the compiled softmax (one kernel per pass where Triton is available) ---------------------
+@pytest.fixture
+def compiled(rp, monkeypatch):
+    """rocm_port with compiling forced on (inductor writes C++ on a CPU), fresh caches."""
+    monkeypatch.setenv(rp._COMPILE_ENV, "1")
+    monkeypatch.setattr(rp, "_COMPILED", {})
+    monkeypatch.setattr(rp, "_SAID", set())
+    return rp
+
+
+def test_compiled_softmax_matches_the_references_forward_and_backward(compiled, monkeypatch, capsys):
+    """The compiled bodies keep the kernels' semantics: the causal mask from indices, the
+    unscaled -10000 for masked elements, zeroed fully masked rows, scale in the backward."""
+    rp = compiled
+    torch.manual_seed(11)
+    mask = random_mask((2, 1, 6, 9))
+    mask[1, 0, 4] = True  # a fully masked row
+    cases = [
+        (rp.ScaledUpperTriangMaskedSoftmax.apply, (0.125,), torch.bfloat16, dict(causal=True)),
+        (rp.ScaledMaskedSoftmax.apply, (mask, 0.3), torch.float16, dict(mask=mask)),
+        (rp.ScaledSoftmax.apply, (0.7,), torch.float32, {}),
+    ]
+    for fn, args, dtype, ref_kwargs in cases:
+        x = torch.randn(2, 3, 6, 9 if "mask" in ref_kwargs else 6).to(dtype)
+        y, g, gx = run_forward_backward(fn, x, *args)
+        scale = args[-1]
+        assert_close(y, ref_softmax(x, scale, **ref_kwargs), dtype, f"{fn} forward")
+        assert_close(gx, ref_backward(g, y, scale), dtype, f"{fn} backward", backward_size(g, y, scale))
+        if ref_kwargs.get("causal"):
+            assert torch.equal(y.float().triu(1), torch.zeros_like(y.float()))
+        if "mask" in ref_kwargs:
+            assert torch.equal(y[1, :, 4], torch.zeros_like(y[1, :, 4]))
+    assert set(rp._COMPILED) == {"softmax_forward", "softmax_backward"}
+    assert all(fn is not None for fn in rp._COMPILED.values())
+    assert capsys.readouterr().out.count("> ROCm port: fused softmax: each pass compiled") == 1
+
+
+def test_compiled_and_eager_paths_agree(compiled, monkeypatch):
+    rp = compiled
+    x = torch.randn(2, 4, 16, 16).bfloat16()
+    torch.manual_seed(12)  # the same gradient for both
+    fast = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.125)
+    monkeypatch.setenv(rp._COMPILE_ENV, "0")
+    torch.manual_seed(12)
+    eager = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.125)
+    assert torch.equal(fast[0], eager[0])
+    assert_close(fast[2], eager[2].double(), torch.bfloat16, "backward", backward_size(eager[1], eager[0], 0.125))
+
+
+def test_a_compile_failure_falls_back_to_the_eager_path_with_one_line(compiled, monkeypatch, capsys):
+    rp = compiled
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no working Triton here\nsecond line")
+
+    monkeypatch.setattr(rp.torch, "compile", broken)
+    torch.manual_seed(13)
+    x = torch.randn(2, 3, 5, 5)
+    y, g, gx = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.5)
+    run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.5)  # not tried again
+    assert_close(y, ref_softmax(x, 0.5, causal=True), torch.float32, "forward")
+    assert rp._COMPILED == {"softmax_forward": None, "softmax_backward": None}
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "compiling failed" in ln]
+    assert lines == ["> ROCm port: fused softmax: compiling failed (RuntimeError: no working Triton here); "
+                     "the eager PyTorch path runs instead"]
+
+
+def test_compiling_is_chosen_for_gpus_with_triton_only(rp, monkeypatch):
+    monkeypatch.delenv(rp._COMPILE_ENV, raising=False)
+    monkeypatch.setattr(rp, "_triton_available", lambda: True)
+    assert rp._compile_wanted(torch.device("cuda", 0)) and not rp._compile_wanted(torch.device("cpu"))
+    monkeypatch.setattr(rp, "_triton_available", lambda: False)
+    assert not rp._compile_wanted(torch.device("cuda", 0))
+    monkeypatch.setenv(rp._COMPILE_ENV, "0")
+    monkeypatch.setattr(rp, "_triton_available", lambda: True)
+    assert not rp._compile_wanted(torch.device("cuda", 0))

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.upstream
 pytest.importorskip("torch")
 
 # (release, series): two eras of core-0.13-0.16 and one of core-0.4-0.5.
-ERAS = [("0.13.0", "core-0.13-0.16"), ("0.16.1", "core-0.13-0.16"), ("0.5.0", "core-0.4-0.5")]
+# (release, series): both ends of the newest PyPI series, the TE-unguarded era, and core 0.6,
+# whose DDP takes its settings as arguments rather than a config.
+ERAS = [("0.13.0", "core-0.13-0.16"), ("0.16.1", "core-0.13-0.16"), ("0.5.0", "core-0.4-0.5"),
+        ("0.6.0", "core-0.6-0.7")]
 
 
 def apply(core_upstream: Path, version: str, dest: Path) -> Path:

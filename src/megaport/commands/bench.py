@@ -217,7 +217,8 @@ def bench(options: BenchOptions, console) -> int:
         "repeats": options.repeats,
         "warmup": options.warmup,
         "variants": {
-            "replacement": "FusedScaleMaskSoftmax.forward_fused_softmax (the port's replacement functions)",
+            "replacement": "FusedScaleMaskSoftmax.forward_fused_softmax (the port's replacement functions; "
+                           f"softmax {timings[0].get('port_softmax_path', 'eager')})",
             "upstream_torch": "FusedScaleMaskSoftmax.forward_torch_softmax (upstream's fallback)"
                               + (", causal mask precomputed and not timed" if options.mask == "causal" else ""),
         },

@@ -378,13 +378,92 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)
 
 
-def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows):
+# Where Triton is available (PyTorch's ROCm and CUDA builds ship it), each softmax pass is one
+# compiled kernel: the input is read once and the result written once, the math is fp32 in
+# registers, and the causal mask is computed from indices, never stored.  The eager passes above
+# read and write the data three or four times.  Everywhere else, and from the moment compiling
+# fails (one line says why), the eager paths run.  MEGATRON_ROCM_PORT_COMPILE=0 turns it off;
+# =1 turns it on for any device (on a CPU inductor writes C++ instead of Triton).
+_COMPILE_ENV = "MEGATRON_ROCM_PORT_COMPILE"
+_COMPILED = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+
+        return bool(has_triton())
+    except Exception:  # a torch without the helper, or a broken Triton install
+        return False
+
+
+def _compile_wanted(device: torch.device) -> bool:
+    setting = os.environ.get(_COMPILE_ENV, "").strip().lower()
+    if setting in ("0", "off", "false", "no"):
+        return False
+    if setting in ("1", "on", "true", "yes"):
+        return True
+    return device.type == "cuda" and _triton_available()
+
+
+def _softmax_forward_body(x, mask, scale: float, fill: float, causal: bool, zero_dead_rows: bool):
+    """The kernels' forward in one expression (fp32 math, results in the input dtype)."""
+    w = x.to(torch.promote_types(x.dtype, torch.float32)) * scale
+    if causal:
+        rows = torch.arange(w.shape[-2], device=w.device).unsqueeze(-1)
+        w = w.masked_fill(torch.arange(w.shape[-1], device=w.device) > rows, fill)
+    elif mask is not None:
+        w = w.masked_fill(mask, fill)
+    top = w.amax(-1, keepdim=True)
+    e = torch.exp(w - top)
+    y = e / e.sum(-1, keepdim=True)
+    if zero_dead_rows:
+        y = y.masked_fill(top == fill, 0.0)
+    return y.to(x.dtype)
+
+
+def _softmax_backward_body(g, y, scale: float):
+    """The kernels' backward, ``scale * (y*g - y*sum(y*g))``, in one expression."""
+    compute = torch.promote_types(y.dtype, torch.float32)
+    gf, yf = g.to(compute), y.to(compute)
+    return (scale * yf * (gf - (gf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+
+def _run_compiled(name, body, device, *args):
+    """``body(*args)`` compiled, or None when compiling is not wanted here or has failed."""
+    if not _compile_wanted(device) or _COMPILED.get(name, True) is None:
+        return None
+    try:
+        if name not in _COMPILED:
+            _COMPILED[name] = torch.compile(body, dynamic=None, fullgraph=True)
+            say_once("fused softmax: each pass compiled into one kernel "
+                     f"({'Triton' if device.type == 'cuda' else device.type}); {_COMPILE_ENV}=0 turns this off")
+        out = _COMPILED[name](*args)
+    except Exception as exc:  # compiling can fail in many ways; the eager path is always right
+        _COMPILED[name] = None
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        say_once(f"fused softmax: compiling failed ({type(exc).__name__}: {reason}); "
+                 "the eager PyTorch path runs instead")
+        return None
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows, causal=False):
     """softmax(masked_fill(x * scale, mask, fill)) with the kernels' fp32 math.
 
-    ``mask`` is None or a bool tensor that broadcasts to ``x``'s ``(A, B, sq, sk)`` view.
+    ``mask`` is None or a bool tensor that broadcasts to ``x``'s ``(A, B, sq, sk)`` view;
+    ``causal`` masks positions ``j > i`` instead (the mask is then built only if needed).
     ``zero_dead_rows``: rows whose maximum after masking is exactly ``fill`` give zeros.
     """
     compute = _compute_dtype(x)
+    if x.numel():
+        y = _run_compiled("softmax_forward", _softmax_forward_body, x.device,
+                          x.reshape(_as4d(x.shape)), None if causal else mask, scale, fill, causal, zero_dead_rows)
+        if y is not None:
+            return y.view(x.shape)
+    if causal:
+        mask = _causal_mask(x.shape[-2], x.shape[-1], x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
@@ -423,6 +502,10 @@ def _fill_scaled_softmax_(work, x, scale, mask, fill, zero_dead_rows, inplace):
 
 def _scaled_softmax_backward(g, y, scale):
     """``scale * (y*g - y*sum(y*g, -1))`` with the kernels' fp32 math, in y's dtype."""
+    if y.numel():
+        gi = _run_compiled("softmax_backward", _softmax_backward_body, y.device, g, y, scale)
+        if gi is not None:
+            return gi
     gi = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     if y.numel() == 0:
         return gi
@@ -474,8 +557,7 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
         scale = _scale_value(scale)
         if inputs.dim() < 2:
             raise ValueError("causal softmax needs an input of at least 2 dimensions [..., sq, sk]")
-        causal = _causal_mask(inputs.shape[-2], inputs.shape[-1], inputs.device)
-        y = _scaled_softmax_forward(inputs, scale, causal, float("-inf"), False)
+        y = _scaled_softmax_forward(inputs, scale, None, float("-inf"), False, causal=True)
         ctx.scale = scale
         ctx.save_for_backward(y)
         return y

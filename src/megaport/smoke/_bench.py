@@ -139,6 +139,7 @@ def time_mode(args, torch) -> dict:
             memory[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
             x.grad = None
     return {
+        "port_softmax_path": port_softmax_path(device),
         "ms": {name: statistics.median(v) for name, v in samples.items()},
         "samples_ms": samples,
         "peak_mib": memory or None,
@@ -146,6 +147,19 @@ def time_mode(args, torch) -> dict:
         "threads": torch.get_num_threads(),
         "input_bytes": x.numel() * x.element_size(),
     }
+
+
+def port_softmax_path(device) -> str:
+    """Which of the port's softmax paths ran: compiled (one kernel per pass) or eager."""
+    port = next((m for name, m in list(sys.modules.items())
+                 if name.endswith(".rocm_port") and hasattr(m, "ScaledMaskedSoftmax")), None)
+    if port is None or not hasattr(port, "_compile_wanted"):
+        return "eager (this tree's port has no compiled path)"
+    if not port._compile_wanted(device):
+        return f"eager ({port._COMPILE_ENV}=1 compiles it; auto compiles on GPUs with Triton)"
+    if any(fn is None for fn in port._COMPILED.values()):
+        return "eager (compiling failed; see the '> ROCm port:' line)"
+    return f"compiled, one kernel per pass ({port._COMPILE_ENV}=0 for the eager path)"
 
 
 def _status_kib(field: str) -> int | None:

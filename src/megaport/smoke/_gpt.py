@@ -200,12 +200,20 @@ def upstream_args(run: Run, facts: dict):
 
 
 def _ddp_module():
-    """megatron.core.distributed where the era has its DDP config (and main_grad buffers), else None."""
+    """megatron.core.distributed where the era's DDP (with main_grad buffers) feeds megatron.core's
+    optimizer: from core 0.7 with its DDP config, in 0.6 with explicit arguments; else None (0.5
+    has the DDP but no megatron.core optimizer to take its main_grad buffers)."""
     try:
         module = importlib.import_module("megatron.core.distributed")
     except ModuleNotFoundError:
         return None
-    return module if hasattr(module, "DistributedDataParallelConfig") else None
+    if hasattr(module, "DistributedDataParallelConfig"):
+        return module
+    try:
+        optimizer = importlib.import_module("megatron.core.optimizer")
+    except ModuleNotFoundError:
+        return None
+    return module if hasattr(module, "DistributedDataParallel") and hasattr(optimizer, "OptimizerConfig") else None
 
 
 def _config(run: Run, torch, facts: dict):
@@ -279,15 +287,19 @@ def _wrap_ddp(config, model, facts: dict):
     if ddp_mod is None:
         facts["ddp"] = "none in this era: plain autograd gradients"
         return model, False
-    ddp_config_cls = ddp_mod.DistributedDataParallelConfig
-    ddp_config = ddp_config_cls(**_filtered(ddp_config_cls, dict(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)))
+    settings = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    ddp_config_cls = getattr(ddp_mod, "DistributedDataParallelConfig", None)
+    if ddp_config_cls is not None:
+        chosen = dict(ddp_config=ddp_config_cls(**_filtered(ddp_config_cls, settings)))
+    else:  # core 0.6: the same settings as arguments
+        chosen = dict(accumulate_allreduce_grads_in_fp32=True, overlap_grad_reduce=False,
+                      use_distributed_optimizer=False)
     parallel_state = importlib.import_module("megatron.core.parallel_state")
     groups = dict(data_parallel_group=parallel_state.get_data_parallel_group())
     if hasattr(parallel_state, "get_data_modulo_expert_parallel_group"):
         groups["expert_data_parallel_group"] = parallel_state.get_data_modulo_expert_parallel_group()
     ddp = ddp_mod.DistributedDataParallel(**_filtered(ddp_mod.DistributedDataParallel, dict(
-        config=config, ddp_config=ddp_config, module=model, **groups)))
+        config=config, module=model, **chosen, **groups)))
     facts["ddp"] = "megatron.core.distributed.DistributedDataParallel (fp32 grad buffer)"
     return ddp, True
 
