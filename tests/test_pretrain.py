@@ -188,3 +188,29 @@ def test_eras_without_mock_data_get_files_the_command_names(tmp_path):
     assert argv[argv.index("--vocab-file") + 1] == str(tmp_path / "vocab.json")  # ours, not the script's
     assert "--DDP-impl" in argv and "--checkpoint-activations" in argv  # the era's feature flags stay
     assert any("no --mock-data" in note for note in cmd.notes)
+
+
+def test_bench_train_runs_both_sides_through_pretrain_gpt(tmp_path):
+    """bench --train's GPU entry: the ported tree as it is, and its upstream commit exported next to
+    it with the fusions off, each through pretrain_gpt.py under torchrun."""
+    from megaport.commands import bench_train
+
+    tree = fake_tree(tmp_path)
+    script = tree / "pretrain_gpt.py"
+    script.write_text(script.read_text().replace(
+        'sys.exit(', 'print(" [Rank 0] (after 1 iterations) memory (MB) | allocated: 10.0 | max allocated: '
+        '{}"'.format("{}") + '.format(64.0 if "--no-masked-softmax-fusion" in args else 48.0))\nsys.exit(', 1))
+    for args in (["init", "--quiet"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "up"]):
+        subprocess.run(["git", *args], cwd=tree, check=True)
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+    sizes = dict(layers=1, hidden=64, heads=4, seq=32, batch=2, steps=6, warmup=1, vocab=128, device="cuda")
+    ported, what = bench_train._pretrain_side(tree, sha, "ported", {}, sizes)
+    upstream, against = bench_train._pretrain_side(tree, sha, "upstream", {}, sizes)
+    assert what is None and against == "unported upstream's pretrain_gpt.py, fusions off"
+    assert ported["losses"] == upstream["losses"] and len(ported["losses"]) == 6
+    assert ported["peak_memory_bytes"] == 48 * 2**20 and upstream["peak_memory_bytes"] == 64 * 2**20
+    assert "--no-masked-softmax-fusion" in upstream["command"] and "--no-masked-softmax-fusion" not in ported["command"]
+    assert bench_train._entry("auto", "cuda", tree) == "pretrain"
+    assert bench_train._entry("auto", "cpu", tree) == "harness"
+    with pytest.raises(Exception, match="needs a GPU"):
+        bench_train._entry("pretrain", "cpu", tree)

@@ -354,9 +354,12 @@ def doctor(json_file):
 @click.option("--warmup", type=click.IntRange(0), help="--train: steps left out of the timing [GPU 5, CPU 2].")
 @click.option("--rounds", type=click.IntRange(1, 100), default=1, show_default=True,
               help="--train: runs of each side, alternating which goes first; medians are reported.")
+@click.option("--entry", type=click.Choice(["auto", "pretrain", "harness"]), default="auto", show_default=True,
+              help="--train: upstream's pretrain_gpt.py under torchrun (a GPU and a Megatron-LM clone), or "
+                   "megaport's harness on upstream's builders; auto takes pretrain_gpt.py where it can run.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, train, layers, hidden, heads,
-          seq, batch, steps, warmup, rounds):
+          seq, batch, steps, warmup, rounds, entry):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -366,10 +369,12 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, t
     backward, medians over interleaved runs, peak memory, and achieved bandwidth
     against a plain copy of the same tensors.
     \b
-    --train: a GPT through upstream's megatron.core builders, on the ported tree with
-    upstream's default fusions and on the tree's upstream commit with the fusions off
-    (exported next to it; the tree is not touched), same seed and batches: ms/iter,
-    tokens/s, peak memory, the loss per step, and the ratios.
+    --train: a GPT on the ported tree with upstream's default fusions and on the
+    tree's upstream commit with the fusions off (exported next to it; the tree is
+    not touched), same seed and batches: ms/iter, tokens/s, peak memory, the loss per
+    step, and the ratios. On a GPU with a Megatron-LM clone both run upstream's
+    pretrain_gpt.py with the example script's flags (shrunk); elsewhere megaport's
+    harness on upstream's megatron.core builders.
     \b
     Measures; never asserts.
     """
@@ -378,7 +383,7 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, t
 
         sizes = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, steps=steps, warmup=warmup)
         return bench_train(TrainBenchOptions(tree=tree, device=device, sizes=sizes, rounds=rounds,
-                                             json_file=json_file), _console(json_file))
+                                             json_file=json_file, entry=entry), _console(json_file))
     from megaport.commands.bench import BenchOptions
     from megaport.commands.bench import bench as run_bench
 

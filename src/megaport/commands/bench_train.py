@@ -1,8 +1,10 @@
 """``megaport bench --train``: training speed and memory of the port against upstream with its
 fusions off, on the same machine, config and seed.
 
-Both runs are megaport.smoke._gpt in fresh processes (see its docstring): the ported tree with
-upstream's default fusions, and the tree's own upstream commit exported next to it with the
+Both runs are fresh processes: on a GPU with a Megatron-LM clone, upstream's own pretrain_gpt.py
+under torchrun with the example script's flags, shrunk (megaport.smoke._pretrain); elsewhere
+megaport.smoke._gpt on upstream's megatron.core builders (see its docstring). The ported tree runs
+with upstream's default fusions, and the tree's own upstream commit, exported next to it, with the
 fusions turned off (what a ROCm user without megaport runs). Rounds alternate the order. Reported
 side by side: ms/iter (median after warm-up), tokens/s, peak device memory (process peak RSS on
 CPU), the loss at every step, and the ratios. It measures; it never asserts.
@@ -34,6 +36,7 @@ class TrainBenchOptions:
     rounds: int = 1
     json_file: str | None = None
     python: str | None = None
+    entry: str = "auto"
 
 
 def bench_train(options: TrainBenchOptions, console) -> int:
@@ -52,9 +55,10 @@ def bench_train(options: TrainBenchOptions, console) -> int:
     if sizes["warmup"] >= sizes["steps"]:
         raise MegaportError(f"--warmup {sizes['warmup']} leaves no timed step of --steps {sizes['steps']}",
                             exit_code=2)
+    entry = _entry(options.entry, kind, tree)
     env = subprocess_env(tree)
-    console.print(f"bench --train {tree} ({state.series}, {state.upstream_ref}) on {kind}: "
-                  + ", ".join(f"{k} {v}" for k, v in sizes.items() if k != "device"))
+    console.print(f"bench --train {tree} ({state.series}, {state.upstream_ref}) on {kind} through "
+                  f"{ENTRIES[entry]}: " + ", ".join(f"{k} {v}" for k, v in sizes.items() if k != "device"))
     ported_runs, upstream_runs, against = [], [], None
     with console.status("") as status:
         for r in range(options.rounds):
@@ -62,17 +66,62 @@ def bench_train(options: TrainBenchOptions, console) -> int:
                 status.update(f"round {r + 1}/{options.rounds}: {which} "
                               f"({'port, default fusions' if which == 'ported' else 'upstream, fusions off'})")
                 try:
-                    if which == "ported":
-                        ported_runs.append(_gpt.run_in_subprocess(tree, "ported", env=env, **sizes))
+                    if entry == "pretrain":
+                        run, what = _pretrain_side(tree, state.upstream_sha, which, env, sizes)
+                    elif which == "ported":
+                        run, what = _gpt.run_in_subprocess(tree, "ported", env=env, **sizes), None
                     else:
-                        run, against = _gpt.upstream_baseline(tree, state.upstream_sha, env, **sizes)
-                        upstream_runs.append(run)
+                        run, what = _gpt.upstream_baseline(tree, state.upstream_sha, env, **sizes)
                 except RuntimeError as exc:
                     raise MegaportError(f"bench --train: {exc}") from None
+                (ported_runs if which == "ported" else upstream_runs).append(run)
+                against = what or against
     document = _document(tree, state, kind, info, sizes, ported_runs, upstream_runs, against)
     _table(console, document)
     write_json(options.json_file, document)
     return 0
+
+
+ENTRIES = {"pretrain": "upstream's pretrain_gpt.py under torchrun",
+           "harness": "megaport's harness on upstream's megatron.core builders"}
+
+
+def _entry(requested: str, kind: str, tree: Path) -> str:
+    """pretrain_gpt.py where it can run (a GPU, a Megatron-LM clone), else the harness."""
+    runnable = kind != "cpu" and (tree / "pretrain_gpt.py").is_file()
+    if requested == "pretrain" and not runnable:
+        why = "upstream's training loop needs a GPU" if kind == "cpu" else f"{tree} has no pretrain_gpt.py"
+        raise MegaportError(f"--entry pretrain: {why}; use --entry harness", exit_code=2)
+    if requested == "auto":
+        return "pretrain" if runnable else "harness"
+    return requested
+
+
+def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict) -> tuple[dict, str | None]:
+    """One side through upstream's pretrain_gpt.py: the ported tree with the example's flags, or
+    the unported commit (exported next to it) with the fusions turned off."""
+    import tempfile
+
+    from megaport.smoke import _gpt, _pretrain
+
+    run_sizes = {k: v for k, v in sizes.items() if k in ("layers", "hidden", "heads", "seq", "batch", "steps",
+                                                        "warmup", "vocab")}
+    if which == "ported":
+        result = _pretrain.run_pretrain(str(tree), _gpt.Run(tree=str(tree), mode="ported", device="cuda",
+                                                            **run_sizes), env)
+        what = None
+    else:
+        with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
+            _gpt.export_upstream(tree, sha, upstream)
+            plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+            result = _pretrain.run_pretrain(upstream, _gpt.Run(tree=upstream, mode="fusions-off", device="cuda",
+                                                               **run_sizes), plain)
+        what = "unported upstream's pretrain_gpt.py, fusions off"
+    return {**result, "peak_memory_bytes": result["peak_memory_bytes"] or 0,
+            "peak_memory_kind": "max allocated, from upstream's memory report",
+            "fusions_after_config": "upstream's defaults (the example's flags)",
+            "layer_spec": "pretrain_gpt.py's model provider", "optimizer": "upstream's optimizer",
+            "substitutions": []}, what
 
 
 def _summary(runs: list) -> dict:
@@ -102,7 +151,8 @@ def _document(tree, state, kind, info, sizes, ported_runs, upstream_runs, agains
         "ratio": {
             "ms_per_iter": ported["ms_per_iter"] / upstream["ms_per_iter"],
             "tokens_per_s": ported["tokens_per_s"] / upstream["tokens_per_s"],
-            "peak_memory": ported["peak_memory_bytes"] / upstream["peak_memory_bytes"],
+            "peak_memory": (ported["peak_memory_bytes"] / upstream["peak_memory_bytes"]
+                            if upstream["peak_memory_bytes"] else None),
         },
         "loss_max_relative_difference": worst,
         "peak_memory_kind": ported_runs[0]["peak_memory_kind"],
@@ -124,7 +174,8 @@ def _table(console, document: dict) -> None:
     table.add_row("tokens/s", f"{ported['tokens_per_s']:.0f}", f"{upstream['tokens_per_s']:.0f}",
                   f"{ratio['tokens_per_s']:.2f}x")
     table.add_row(f"peak memory MiB ({document['peak_memory_kind']})", f"{ported['peak_memory_bytes'] / mib:.0f}",
-                  f"{upstream['peak_memory_bytes'] / mib:.0f}", f"{ratio['peak_memory']:.2f}x")
+                  f"{upstream['peak_memory_bytes'] / mib:.0f}",
+                  f"{ratio['peak_memory']:.2f}x" if ratio["peak_memory"] is not None else "n/a")
     console.print(table)
     losses = Table(title="loss per step (same seed and batches)", title_justify="left")
     for column in ("step", "ported", "upstream", "relative difference"):

@@ -36,6 +36,7 @@ from megaport.smoke import _gpt
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.eE]+)")
+_MAX_ALLOCATED = re.compile(r"max allocated:\s*([0-9.]+)")  # upstream's memory report, in MB
 
 # The GPT-2 byte-level alphabet: printable bytes stand for themselves, the others are shifted past
 # 255 (the same table as upstream's gpt2_tokenization.bytes_to_unicode).
@@ -163,10 +164,13 @@ def run_pretrain(tree: str, run: _gpt.Run, env: dict | None = None, *, timeout: 
         raise RuntimeError(failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations)))
     timed = [i.ms for i in iterations if i.iteration > run.warmup] or [i.ms for i in iterations]
     timed.sort()
+    peaks = [float(v) for v in _MAX_ALLOCATED.findall(proc.stdout + proc.stderr)]
     return {"command": cmd.shell(), "data": cmd.data, "notes": cmd.notes,
             "losses": [i.loss for i in iterations], "iterations": [i.iteration for i in iterations],
             "ms_per_iter": timed[len(timed) // 2],
-            "tokens_per_s": run.batch * run.seq / (timed[len(timed) // 2] / 1000)}
+            "tokens_per_s": run.batch * run.seq / (timed[len(timed) // 2] / 1000),
+            "peak_memory_bytes": int(max(peaks) * 2**20) if peaks else None,
+            "log": [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("> ROCm port:")]}
 
 
 def failure_message(returncode: int, stdout: str, stderr: str, logged: int, lines: int = 25) -> str:
