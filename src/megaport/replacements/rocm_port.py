@@ -416,8 +416,9 @@ def _softmax_forward_body(x, mask, scale: float, fill: float, causal: bool, zero
     elif mask is not None:
         w = w.masked_fill(mask, fill)
     top = w.amax(-1, keepdim=True)
-    e = torch.exp(w - top)
-    y = e / e.sum(-1, keepdim=True)
+    # exp(w - logsumexp) rather than e / sum(e): only w, a cheap function of x, is needed twice,
+    # so the compiler recomputes it instead of storing an fp32 copy of the whole input.
+    y = torch.exp(w - (top + torch.log(torch.exp(w - top).sum(-1, keepdim=True))))
     if zero_dead_rows:
         y = y.masked_fill(top == fill, 0.0)
     return y.to(x.dtype)
@@ -430,18 +431,25 @@ def _softmax_backward_body(g, y, scale: float):
     return (scale * yf * (gf - (gf * yf).sum(-1, keepdim=True))).to(y.dtype)
 
 
-def _run_compiled(name, body, device, *args):
-    """``body(*args)`` compiled, or None when compiling is not wanted here or has failed."""
-    if not _compile_wanted(device) or _COMPILED.get(name, True) is None:
+def _run_compiled(key, body, device, *args):
+    """``body(*args)`` compiled, or None when compiling is not wanted here or has failed.
+
+    Each kind of call (``key``: pass, dtype, mask kind) gets a compiled function of its own, so
+    that its shapes, not the other kinds', count towards torch.compile's recompile limit, and a
+    failure turns that kind, not every softmax, back to the eager path."""
+    if not _compile_wanted(device):
+        return None
+    if _COMPILED.get(key, True) is None:
         return None
     try:
-        if name not in _COMPILED:
-            _COMPILED[name] = torch.compile(body, dynamic=None, fullgraph=True)
+        if key not in _COMPILED:
+            # dynamic: one compile serves every sequence length (no recompiles as shapes change)
+            _COMPILED[key] = torch.compile(body, dynamic=True, fullgraph=True)
             say_once("fused softmax: each pass compiled into one kernel "
                      f"({'Triton' if device.type == 'cuda' else device.type}); {_COMPILE_ENV}=0 turns this off")
-        out = _COMPILED[name](*args)
+        out = _COMPILED[key](*args)
     except Exception as exc:  # compiling can fail in many ways; the eager path is always right
-        _COMPILED[name] = None
+        _COMPILED[key] = None
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         say_once(f"fused softmax: compiling failed ({type(exc).__name__}: {reason}); "
                  "the eager PyTorch path runs instead")
@@ -458,7 +466,8 @@ def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows, causal=False):
     """
     compute = _compute_dtype(x)
     if x.numel():
-        y = _run_compiled("softmax_forward", _softmax_forward_body, x.device,
+        kind = ("forward", x.dtype, causal, mask is None, zero_dead_rows)
+        y = _run_compiled(kind, _softmax_forward_body, x.device,
                           x.reshape(_as4d(x.shape)), None if causal else mask, scale, fill, causal, zero_dead_rows)
         if y is not None:
             return y.view(x.shape)
@@ -503,7 +512,7 @@ def _fill_scaled_softmax_(work, x, scale, mask, fill, zero_dead_rows, inplace):
 def _scaled_softmax_backward(g, y, scale):
     """``scale * (y*g - y*sum(y*g, -1))`` with the kernels' fp32 math, in y's dtype."""
     if y.numel():
-        gi = _run_compiled("softmax_backward", _softmax_backward_body, y.device, g, y, scale)
+        gi = _run_compiled(("backward", y.dtype), _softmax_backward_body, y.device, g, y, scale)
         if gi is not None:
             return gi
     gi = torch.empty(y.shape, dtype=y.dtype, device=y.device)
