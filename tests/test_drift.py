@@ -305,8 +305,11 @@ def test_globs_sort_by_version_and_last_takes_the_newest_tags(upstream, catalogu
     git(tmp_path, "clone", "--quiet", str(upstream[0]), str(clone))
     for name in ("rel_1.10.0rc2", "rel_1.2.0", "rel_1.9.0", "rel_1.2.0rc1"):
         git(clone, "tag", name, "s_clean")
+    git(clone, "tag", "-a", "-m", "an annotated tag names its commit", "rel_1.3.0", "s_offset")
+    git(clone, "tag", "rel_1.4.0", "s_clean^{tree}")  # names no commit: not a ref to check
     _, report = drift_json(clone, catalogue, "rel_*")
-    assert [r["ref"] for r in report["refs"]] == ["rel_1.2.0rc1", "rel_1.2.0", "rel_1.9.0", "rel_1.10.0rc2"]
+    assert [r["ref"] for r in report["refs"]] == ["rel_1.2.0rc1", "rel_1.2.0", "rel_1.3.0", "rel_1.9.0", "rel_1.10.0rc2"]
+    assert report["refs"][2]["sha"] == git(clone, "rev-parse", "s_offset^{commit}")
     _, newest = drift_json(clone, catalogue, "rel_*", "v1", extra=("--last", "1"))
     assert [r["ref"] for r in newest["refs"]] == ["rel_1.10.0rc2", "v1"]
 

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 from megaport.errors import MegaportError
 from megaport.git import GitError, is_shallow, rev_parse, run_git
 
-__all__ = ["ResolvedRef", "Store", "default_home", "normalize_url"]
+__all__ = ["CachedHistory", "ResolvedRef", "Store", "default_home", "normalize_url"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,57 @@ class ResolvedRef:
     repo: Path
 
 
+# Version sort puts these pre-release suffixes before the release (0.14.0rc3 < 0.14.0).
+_PRERELEASES = tuple(
+    arg for suffix in ("rc", "-rc", ".rc", "dev", ".dev", "alpha", "beta") for arg in ("-c", f"versionsort.suffix={suffix}")
+)
+
+
+@dataclass(frozen=True)
+class CachedHistory:
+    """What a cache holds of an upstream's history, read without network: names to commits, the
+    refs under a prefix, a first-parent line. drift's ``--ref`` globs, ranges and ``--last`` ask
+    here (see :meth:`Store.history`) rather than run git on the cache themselves."""
+
+    repo: Path
+
+    def commit(self, name: str) -> str | None:
+        """The commit a branch, tag, sha or revision expression (``main~3``) names, or None.
+        ``HEAD`` is the remote's default branch (the cache's own HEAD means nothing)."""
+        if name.startswith("-") or not self.repo.is_dir():
+            return None
+        base, suffix = re.match(r"^(.*?)([~^].*)?$", name).groups()
+        candidates = (_REMOTE_HEAD,) if base == "HEAD" else (f"refs/heads/{base}", f"refs/tags/{base}", base)
+        for candidate in candidates:
+            sha = rev_parse(self.repo, f"{candidate}{suffix or ''}^{{commit}}")
+            if sha:
+                return sha
+        return None
+
+    def refs(self, prefix: str = "refs/tags/") -> list[tuple[str, str]]:
+        """``(full ref name, commit)`` of every ref under ``prefix`` that names a commit, in
+        version order (release candidates before their release), from one ``for-each-ref``."""
+        lines = run_git(
+            [*_PRERELEASES, "for-each-ref", "--sort=version:refname",
+             "--format=%(refname) %(objecttype) %(objectname) %(*objecttype) %(*objectname)", prefix],
+            self.repo,
+        ).stdout.splitlines()
+        found = []
+        for line in lines:
+            name, kind, sha, peeled_kind, peeled = (line.split(" ") + ["", ""])[:5]
+            if kind == "commit":
+                found.append((name, sha))
+            elif peeled_kind == "commit":  # an annotated tag
+                found.append((name, peeled))
+        return found
+
+    def first_parent(self, tip: str, *, exclude: str | None = None, count: int | None = None) -> list[str]:
+        """The commits on ``tip``'s first-parent line, newest first, at most ``count``, stopping
+        before those ``exclude`` has."""
+        args = ["rev-list", "--first-parent", *([f"--max-count={count}"] if count is not None else []), tip]
+        return run_git(args + ([f"^{exclude}"] if exclude else []), self.repo).stdout.split()
+
+
 class Store:
     """The cache of upstream repositories under ``home`` (default: :func:`default_home`)."""
 
@@ -181,6 +232,12 @@ class Store:
                 raise MegaportError(f"cannot fetch {display_url(url)}: {exc.reason or 'git fetch failed'}; "
                                     "check the URL or your network") from None
         return repo
+
+    def history(self, url: str, *, everything: bool = False) -> CachedHistory:
+        """The cache of ``url`` for history queries; ``everything`` first fetches every branch and
+        tag with full history (:meth:`fetch_everything`), which globs, ranges and ``--last`` need."""
+        url = normalize_url(url)
+        return CachedHistory(self.fetch_everything(url) if everything else self.repo_path(url))
 
     def _create(self, repo: Path, url: str, ref: str, show: bool) -> str:
         """Create ``repo`` by initialising and fetching into a temporary directory beside it,
