@@ -136,3 +136,10 @@ def test_doctor_on_this_machine(tmp_path):
         assert document["versions"]["build"] in ("cpu", "cuda", "rocm")
     else:
         assert any(f["code"] == "torch-missing" for f in errors)
+
+
+def test_the_report_says_whether_the_softmax_can_be_compiled_on_a_gpu():
+    rows = dict(devices.summary_rows({**MI300, "triton": "3.4.0"}))
+    assert rows["Triton"].startswith("3.4.0") and "compiled" in rows["Triton"]
+    assert "eager path" in dict(devices.summary_rows({**MI300, "triton": None}))["Triton"]
+    assert "Triton" not in dict(devices.summary_rows(CPU_BOX))  # a CPU build runs the eager path anyway

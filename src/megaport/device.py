@@ -110,6 +110,16 @@ def _collective(torch) -> dict:
     return {"name": name, "version": version}
 
 
+def _triton_version() -> str | None:
+    """Triton's version where it imports (GPU builds of torch ship it): the port's softmax is
+    compiled with it on GPUs, and runs its eager path without it."""
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - absent, or a broken install
+        return None
+    return str(getattr(triton, "__version__", "installed"))
+
+
 def probe() -> dict:
     """Everything this interpreter's torch says about the machine; never raises."""
     info: dict = {
@@ -162,6 +172,7 @@ def probe() -> dict:
         })
     if info["build"] != "cpu":
         info["collective"] = _collective(torch)
+        info["triton"] = _triton_version()
         try:
             info["arch_list"] = list(torch.cuda.get_arch_list())
         except Exception:  # noqa: BLE001
@@ -231,6 +242,10 @@ def summary_rows(info: dict) -> list[tuple[str, str]]:
                 rows.append((f"GPU {gpu['index']}", f"{gpu['name']}, {gpu.get('arch') or '?'}, {gpu['memory_gib']} GiB"))
     else:
         rows.append(("GPUs", "none visible to torch"))
+    if build != "cpu":
+        triton = info.get("triton")
+        rows.append(("Triton", f"{triton} (the port's softmax is compiled with it on GPUs)" if triton
+                     else "not importable: the port's softmax runs its eager path"))
     collective = info.get("collective")
     if collective:
         rows.append((collective["name"], collective.get("version") or "version unknown"))
