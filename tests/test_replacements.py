@@ -1024,3 +1024,17 @@ def test_compiled_softmax_stores_nothing_input_sized_but_its_result(compiled):
         full = [n for n in sizes if n >= x.numel()]
         assert len(full) == 1, f"{what}: buffers of {sizes} elements; only the result may be input-sized"
         assert all(n <= x.numel() // x.shape[-1] for n in sizes if n < x.numel()), (what, sizes)
+
+
+def test_no_compile_starts_inside_a_cuda_graph_capture(compiled, monkeypatch):
+    """Compiling while a CUDA graph is captured would fail: such a call runs eager, and the
+    compiled path is taken by the first call outside a capture."""
+    rp = compiled
+    monkeypatch.setattr(rp, "_capturing", lambda device: True)
+    x = torch.randn(2, 3, 4, 4)
+    y, g, gx = run_forward_backward(rp.ScaledSoftmax.apply, x, 0.5)
+    assert rp._COMPILED == {}
+    assert_close(y, ref_softmax(x, 0.5), torch.float32, "forward")
+    monkeypatch.setattr(rp, "_capturing", lambda device: False)
+    run_forward_backward(rp.ScaledSoftmax.apply, x, 0.5)
+    assert len(rp._COMPILED) == 2 and all(fn is not None for fn in rp._COMPILED.values())

@@ -407,6 +407,14 @@ def _compile_wanted(device: torch.device) -> bool:
     return device.type == "cuda" and _triton_available()
 
 
+def _capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is being captured on ``device``'s current stream."""
+    try:
+        return device.type == "cuda" and bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # a torch without the query
+        return False
+
+
 def _softmax_forward_body(x, mask, scale: float, fill: float, causal: bool, zero_dead_rows: bool):
     """The kernels' forward in one expression (fp32 math, results in the input dtype)."""
     w = x.to(torch.promote_types(x.dtype, torch.float32)) * scale
@@ -441,6 +449,8 @@ def _run_compiled(key, body, device, *args):
         return None
     if _COMPILED.get(key, True) is None:
         return None
+    if key not in _COMPILED and _capturing(device):
+        return None  # compiling inside a CUDA-graph capture fails: this call runs eager
     try:
         if key not in _COMPILED:
             # dynamic: one compile serves every sequence length (no recompiles as shapes change)
