@@ -43,9 +43,7 @@ _FULL_SHA = re.compile(r"[0-9a-fA-F]{40}")
 _ABBREV_SHA = re.compile(r"[0-9a-fA-F]{4,39}")
 _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _PIN_PREFIX = "refs/megaport/pins/"
-_REMOTE_HEAD = "refs/megaport/remote-HEAD"
-#: Where a cache keeps the remote's HEAD (its default branch), for drift's ``HEAD`` in ranges.
-REMOTE_HEAD = _REMOTE_HEAD
+_REMOTE_HEAD = "refs/megaport/remote-HEAD"  # where a cache keeps the remote's HEAD (default branch)
 _FULL_REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
 
 
@@ -134,12 +132,20 @@ class CachedHistory:
     repo: Path
 
     def commit(self, name: str) -> str | None:
-        """The commit a branch, tag, sha or revision expression (``main~3``) names, or None.
-        ``HEAD`` is the remote's default branch (the cache's own HEAD means nothing)."""
+        """The commit a branch, tag, sha, full ref name or revision expression (``main~3``) names
+        among what was fetched, or None. ``HEAD`` is the remote's default branch (the cache's own
+        HEAD means nothing), and local names like FETCH_HEAD are never taken."""
         if name.startswith("-") or not self.repo.is_dir():
             return None
         base, suffix = re.match(r"^(.*?)([~^].*)?$", name).groups()
-        candidates = (_REMOTE_HEAD,) if base == "HEAD" else (f"refs/heads/{base}", f"refs/tags/{base}", base)
+        if base == "HEAD":
+            candidates = [_REMOTE_HEAD]
+        elif base.startswith("refs/"):
+            candidates = [base]
+        else:
+            candidates = [f"refs/heads/{base}", f"refs/tags/{base}"]
+            if _ABBREV_SHA.fullmatch(base) or _FULL_SHA.fullmatch(base):
+                candidates.append(base.lower())
         for candidate in candidates:
             sha = rev_parse(self.repo, f"{candidate}{suffix or ''}^{{commit}}")
             if sha:
@@ -216,7 +222,7 @@ class Store:
 
     def fetch_everything(self, url: str) -> Path:
         """Every branch and tag of ``url`` with full history in its cache (unshallowed), and the
-        remote's HEAD at :data:`REMOTE_HEAD`; the cache's path. Drift over whole ranges needs it."""
+        remote's HEAD (see :meth:`CachedHistory.commit`); the cache's path. Drift over whole ranges needs it."""
         url = normalize_url(url)
         repo = self.repo_path(url)
         if not repo.is_dir():
@@ -340,27 +346,10 @@ class Store:
                 f"cannot fetch {display_url(url)}: {exc.reason or 'git fetch failed'}; "
                 "check the URL or your network"
             ) from None
-        sha = self._local_lookup(repo, ref)
+        sha = CachedHistory(repo).commit(ref)  # among what was fetched
         if sha is None:
             raise _RefNotFound(ambiguous=_is_ambiguous(repo, ref))
         return sha
-
-    @staticmethod
-    def _local_lookup(repo: Path, ref: str) -> str | None:
-        """Resolve ``ref`` among what was fetched (never local names like FETCH_HEAD)."""
-        if ref == "HEAD":
-            candidates = [_REMOTE_HEAD]
-        elif ref.startswith("refs/"):
-            candidates = [ref]
-        else:
-            candidates = [f"refs/heads/{ref}", f"refs/tags/{ref}"]
-            if _ABBREV_SHA.fullmatch(ref) or _FULL_SHA.fullmatch(ref):
-                candidates.append(ref.lower())
-        for name in candidates:
-            sha = rev_parse(repo, f"{name}^{{commit}}")
-            if sha:
-                return sha
-        return None
 
     @staticmethod
     def _fetch(repo: Path, url: str, args: list[str], show: bool) -> None:

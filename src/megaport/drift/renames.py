@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import itertools
 import posixpath
 from pathlib import Path
 from typing import Iterable, Optional
@@ -99,10 +100,8 @@ class MoveFinder:
         holding = self._holding[path]
         when = self.objects.commit_time(sha) or 0
         at = bisect.bisect_right(holding, (when, 1, ""))  # the first of those committed after sha
-        for i in [*range(at - 1, max(at - 3, -1), -1), *range(at, min(at + 2, len(holding)))]:
-            if holding[i][2] != sha:  # sha itself is one of two neighbours at most
-                return holding[i][2]
-        return None
+        nearest_first = itertools.chain(range(at - 1, -1, -1), range(at, len(holding)))
+        return next((holding[i][2] for i in nearest_first if holding[i][2] != sha), None)
 
     def _blob_id(self, commit: str, path: str) -> Optional[str]:
         """The blob at ``path`` in ``commit``, through the reader's tree cache."""

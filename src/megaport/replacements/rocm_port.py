@@ -442,9 +442,9 @@ def _softmax_backward_body(g, y, scale: float):
 def _run_compiled(key, body, device, *args):
     """``body(*args)`` compiled, or None when compiling is not wanted here or has failed.
 
-    Each kind of call (``key``: pass, dtype, mask kind) gets a compiled function of its own, so
-    that its shapes, not the other kinds', count towards torch.compile's recompile limit, and a
-    failure turns that kind, not every softmax, back to the eager path."""
+    Each kind of call (``key``: pass, dtype, mask kind) fails on its own: a failure turns that
+    kind, not every softmax, back to the eager path. (torch.compile's recompile limit counts per
+    body, whatever the key.)"""
     if not _compile_wanted(device):
         return None
     if _COMPILED.get(key, True) is None:

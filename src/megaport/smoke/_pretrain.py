@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -42,6 +43,7 @@ _MAX_ALLOCATED = re.compile(r"max allocated:\s*([0-9.]+)")  # upstream's memory 
 # 255 (the same table as upstream's gpt2_tokenization.bytes_to_unicode).
 _PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
 EOD = "<|endoftext|>"
+BYTE_VOCAB_SIZE = 257  # the 256 byte symbols and EOD, the last id
 
 
 @dataclass
@@ -59,7 +61,7 @@ class Command:
 
     argv: list
     cwd: str
-    data: str = "mock data, NullTokenizer"
+    data: str
     notes: list = field(default_factory=list)
 
     def shell(self) -> str:
@@ -73,6 +75,7 @@ def write_gpt2_vocabulary(directory: str) -> tuple[str, str]:
     symbols = [chr(b) for b in _PRINTABLE] + [chr(256 + n) for n in range(len(shifted))]
     vocab = {symbol: n for n, symbol in enumerate(symbols)}
     vocab[EOD] = len(vocab)
+    assert len(vocab) == BYTE_VOCAB_SIZE
     vocab_file, merges_file = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
     with open(vocab_file, "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
@@ -127,7 +130,7 @@ def command(tree: str, run: _gpt.Run, workdir: str, *, nproc: int = 1, port: int
         prefix = os.path.join(workdir, "tiny_text_document")
         tokens_needed = (run.steps + 2) * run.batch * (run.seq + 1)
         write_indexed_dataset(prefix, learnable_documents(max(64, 2 * tokens_needed // (4 * run.seq)),
-                                                          4 * run.seq, 257, run.seed))
+                                                          4 * run.seq, BYTE_VOCAB_SIZE, run.seed))
         data = ["--data-path", prefix, "--vocab-file", vocab_file, "--merge-file", merges_file,
                 "--tokenizer-type", "GPT2BPETokenizer", *example.SHORT_RUN]
         described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
@@ -156,19 +159,18 @@ def run_pretrain(tree: str, run: _gpt.Run, env: dict | None = None, *, timeout: 
     ``run.warmup``), the command. Raises RuntimeError with the log's end when it fails."""
     with tempfile.TemporaryDirectory(prefix="megaport-pretrain-") as workdir:
         cmd = command(tree, run, workdir)
-        run_env = {**(env or os.environ), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-                   "PYTHONPATH": os.pathsep.join([tree, (env or os.environ).get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        base = dict(os.environ if env is None else env)
+        paths = [tree, base["PYTHONPATH"]] if base.get("PYTHONPATH") else [tree]
+        run_env = {**base, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": os.pathsep.join(paths)}
         proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout)
     iterations = parse_log(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not iterations:
         raise RuntimeError(failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations)))
-    timed = [i.ms for i in iterations if i.iteration > run.warmup] or [i.ms for i in iterations]
-    timed.sort()
+    ms = statistics.median_high([i.ms for i in iterations if i.iteration > run.warmup] or [i.ms for i in iterations])
     peaks = [float(v) for v in _MAX_ALLOCATED.findall(proc.stdout + proc.stderr)]
     return {"command": cmd.shell(), "data": cmd.data, "notes": cmd.notes,
             "losses": [i.loss for i in iterations], "iterations": [i.iteration for i in iterations],
-            "ms_per_iter": timed[len(timed) // 2],
-            "tokens_per_s": run.batch * run.seq / (timed[len(timed) // 2] / 1000),
+            "ms_per_iter": ms, "tokens_per_s": run.batch * run.seq / (ms / 1000),
             "peak_memory_bytes": int(max(peaks) * 2**20) if peaks else None,
             "log": [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("> ROCm port:")]}
 
