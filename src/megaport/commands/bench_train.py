@@ -100,8 +100,6 @@ def _entry(requested: str, kind: str, tree: Path) -> str:
 def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict) -> tuple[dict, str | None]:
     """One side through upstream's pretrain_gpt.py: the ported tree with the example's flags, or
     the unported commit (exported next to it) with the fusions turned off."""
-    import tempfile
-
     from megaport.smoke import _gpt, _pretrain
 
     run_sizes = {k: v for k, v in sizes.items() if k in ("layers", "hidden", "heads", "seq", "batch", "steps",
@@ -111,9 +109,7 @@ def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict) -> 
                                                             **run_sizes), env)
         what = None
     else:
-        with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
-            _gpt.export_upstream(tree, sha, upstream)
-            plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        with _gpt.exported_upstream(tree, sha) as (upstream, plain):
             result = _pretrain.run_pretrain(upstream, _gpt.Run(tree=upstream, mode="fusions-off", device="cuda",
                                                                **run_sizes), plain)
         what = "unported upstream's pretrain_gpt.py, fusions off"

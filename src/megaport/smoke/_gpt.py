@@ -488,13 +488,18 @@ def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float =
     return document
 
 
-def export_upstream(tree, sha: str, dest) -> None:
+@contextlib.contextmanager
+def exported_upstream(tree, sha: str):
     """The unported upstream commit of a ported tree (its megatron/ folder and top-level scripts),
-    written to ``dest`` from the tree's own git objects: nothing in the tree changes."""
+    in a temporary folder written from the tree's own git objects: nothing in the tree changes.
+    Yields the folder and an environment without the tree's PYTHONPATH, to run it as a user
+    without megaport would."""
     archive = subprocess.run(["git", "-C", str(tree), "archive", "--format=tar", sha],
                              capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(dest, filter="data")
+    with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(upstream, filter="data")
+        yield upstream, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def upstream_baseline(tree, sha: str, ported_env: dict, **sizes) -> tuple[dict, str]:
@@ -504,9 +509,7 @@ def upstream_baseline(tree, sha: str, ported_env: dict, **sizes) -> tuple[dict, 
     would. Where that commit cannot even import without TransformerEngine (2023-07 to 2024-06),
     upstream's unfused code paths in the ported tree stand in for it, and the label says so.
     """
-    with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
-        export_upstream(tree, sha, upstream)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with exported_upstream(tree, sha) as (upstream, env):
         try:
             return run_in_subprocess(upstream, "fusions-off", env=env, **sizes), "unported upstream, fusions off"
         except RuntimeError as exc:
