@@ -214,3 +214,12 @@ def test_bench_train_runs_both_sides_through_pretrain_gpt(tmp_path):
     assert bench_train._entry("auto", "cpu", tree) == "harness"
     with pytest.raises(Exception, match="needs a GPU"):
         bench_train._entry("pretrain", "cpu", tree)
+
+
+def test_print_command_needs_a_megatron_lm_tree(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        _pretrain.main(["--tree", str(tmp_path), "--print-command"])
+    assert stopped.value.code == 2 and "has no pretrain_gpt.py" in capsys.readouterr().err
+    tree = fake_tree(tmp_path)
+    assert _pretrain.main(["--tree", str(tree), "--print-command", "--workdir", str(tmp_path / "w")]) == 0
+    assert "pretrain_gpt.py --num-layers 2" in capsys.readouterr().out

@@ -207,6 +207,8 @@ def main(argv=None) -> int:
                              "command and exit")
     parser.add_argument("--workdir", help="where --print-command writes data files (default: a new temporary folder)")
     args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.tree, "pretrain_gpt.py")):
+        parser.error(f"{args.tree} has no pretrain_gpt.py; give a Megatron-LM tree (megaport apply --dest DIR)")
     run = _gpt.Run(tree=os.path.abspath(args.tree), mode=args.mode, device="cuda", layers=args.layers,
                    hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, steps=args.steps,
                    warmup=args.warmup)
