@@ -1,0 +1,227 @@
+"""Run a tree's own ``pretrain_gpt.py`` on the CPU: the substitutions for CUDA-only plumbing.
+
+Upstream's training loop is written for a GPU: it sets the device, builds NCCL process groups,
+places tensors with ``device=torch.cuda.current_device()`` and ``.cuda()``, seeds and forks the
+CUDA generator, times with CUDA events, and reads CUDA memory counters. None of that is the port's
+code. On a machine without a GPU (either torch build: the CPU wheel, or a CUDA wheel with no
+device), this launcher replaces exactly that plumbing, then runs the script as ``__main__`` in one
+process, as ``torchrun --nproc_per_node 1`` would:
+
+    python -m megaport.train.cpu pretrain_gpt.py --num-layers 2 ...
+
+What is substituted (:data:`SUBSTITUTIONS`, printed once at start as ``> megaport cpu:`` lines):
+
+- process group: ``nccl`` becomes ``gloo``; NCCL-only group options are dropped;
+- device queries: the tree's code sees one device (torch's own code still sees none), ``set_device`` is a no-op, ``current_device()`` answers ``'cpu'``;
+- device placement: ``device='cuda'``/index arguments, ``.cuda()`` and ``.to('cuda')`` stay on
+  the CPU; ``torch.cuda.FloatTensor`` and the other legacy constructors build CPU tensors, and
+  ``Tensor.type()`` names them ``torch.cuda.*`` for upstream's type checks;
+- RNG: the CUDA generator *is* the CPU generator (seeding, get/set state, the RNG tracker's
+  fork), so dropout under the tracker draws as it would on one device;
+- streams and events: the CPU stream; events time with the host clock; ``synchronize`` and
+  ``empty_cache`` do nothing; memory counters answer 0 (the runner reads the process's peak RSS).
+
+Nothing in ``megatron/`` is replaced: every computation, including everything a series changes,
+is the tree's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import socket
+import sys
+import time
+
+SUBSTITUTIONS = (
+    "process group: backend nccl -> gloo, NCCL-only group options dropped",
+    "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; current_device() -> 'cpu'",
+    "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU",
+    "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
+    "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
+)
+MARK = "> megaport cpu:"
+_LEGACY = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
+           "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
+
+
+class HostEvent:
+    """``torch.cuda.Event`` on the host clock: what upstream's timers need of it."""
+
+    def __init__(self, *args, **kwargs):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return 1000.0 * (end.t - self.t)
+
+
+class _AnyIndex(tuple):
+    """``torch.cuda.default_generators``: the CPU generator at every index, 'cpu' included (what
+    ``current_device()`` answers here)."""
+
+    def __new__(cls, generator):
+        return super().__new__(cls, (generator,))
+
+    def __getitem__(self, index):
+        return super().__getitem__(0)
+
+
+def _on_gpu(torch, value) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return True
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return isinstance(value, torch.device) and value.type == "cuda"
+
+
+def placement_mode(torch):
+    """A TorchFunctionMode that keeps upstream's GPU placements on the CPU (see module docstring)."""
+    from torch.overrides import TorchFunctionMode
+
+    class ToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                # Upstream's type checks ask for 'torch.cuda.BFloat16Tensor' and the like.
+                return func(*args).replace("torch.", "torch.cuda.", 1)
+            if _on_gpu(torch, kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.to and len(args) > 1 and _on_gpu(torch, args[1]):
+                args = (args[0], "cpu") + tuple(args[2:])
+            return func(*args, **kwargs)
+
+    return ToCpu()
+
+
+def _to_the_tree(real, answer):
+    """``answer`` for calls from the tree's code, ``real`` for torch's own: torch.compile (upstream's
+    jit_fuser) must keep seeing that there is no GPU, or it initialises CUDA and fails."""
+
+    def query(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return real(*args, **kwargs) if caller.split(".")[0] == "torch" else answer(*args, **kwargs)
+
+    return query
+
+
+def _process_group(torch) -> None:
+    dist = torch.distributed
+    init, new_group = dist.init_process_group, dist.new_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        kwargs.pop("pg_options", None)
+        kwargs.pop("device_id", None)
+        return init("gloo" if backend in (None, "nccl", "rccl") else backend, *args, **kwargs)
+
+    def gloo_group(*args, **kwargs):
+        kwargs.pop("pg_options", None)
+        if kwargs.get("backend") in ("nccl", "rccl"):
+            kwargs["backend"] = "gloo"
+        return new_group(*args, **kwargs)
+
+    dist.init_process_group, dist.new_group = init_process_group, gloo_group
+    dist.distributed_c10d.new_group = gloo_group
+
+
+def _device_queries(torch) -> None:
+    cuda = torch.cuda
+    cuda.is_available = _to_the_tree(cuda.is_available, lambda: True)
+    cuda.device_count = _to_the_tree(cuda.device_count, lambda: 1)
+    cuda.set_device = lambda device: None
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.ipc_collect = lambda: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.memory_stats = lambda device=None: {}
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.reset_max_memory_allocated = lambda device=None: None
+
+
+def _placement(torch) -> None:
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    for name in _LEGACY:
+        setattr(torch.cuda, name, getattr(torch, name))
+
+
+def _rng(torch) -> None:
+    cuda = torch.cuda
+    cuda.manual_seed = cuda.manual_seed_all = lambda seed: torch.random.default_generator.manual_seed(int(seed))
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.default_generators = _AnyIndex(torch.random.default_generator)
+    cuda._lazy_call = lambda callable, **kwargs: callable()
+    cuda.random.get_rng_state, cuda.random.set_rng_state = cuda.get_rng_state, cuda.set_rng_state
+
+
+def _streams(torch) -> None:
+    cuda = torch.cuda
+    cuda.Stream = torch.cpu.Stream
+    cuda.stream = torch.cpu.stream
+    cuda.current_stream = lambda device=None: torch.cpu.current_stream()
+    cuda.default_stream = lambda device=None: torch.cpu.current_stream()
+    cuda.set_stream = lambda stream: None
+    cuda.Event = HostEvent
+    nvtx = cuda.nvtx
+    nvtx.range_push = lambda *args, **kwargs: None
+    nvtx.range_pop = lambda *args, **kwargs: None
+    nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def install(torch) -> contextlib.AbstractContextManager:
+    """Apply every substitution; the returned placement mode must be active while the script runs."""
+    _process_group(torch)
+    _device_queries(torch)
+    _placement(torch)
+    _rng(torch)
+    _streams(torch)
+    return placement_mode(torch)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].endswith(".py"):
+        print("usage: python -m megaport.train.cpu SCRIPT.py [ARGS...]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+    import torch
+
+    mode = install(torch)
+    for line in SUBSTITUTIONS:
+        print(f"{MARK} {line}", flush=True)
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    with mode:
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run from the imported module, not this __main__: runpy gives the script its own __main__, and
+    # torch.compile's guards look the placement mode's helpers up by their module's name.
+    from megaport.train import cpu as _imported
+
+    sys.exit(_imported.main())
