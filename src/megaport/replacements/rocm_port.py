@@ -73,6 +73,7 @@ __all__ = [
     "resolve_distributed_backend",
     "collective_library",
     "install_import_blocker",
+    "install_target_stack_compat",
     "uninstall_import_blocker",
     "blocked_modules_loaded",
 ]
@@ -129,6 +130,58 @@ def blocked_modules_loaded() -> list:
 
 
 install_import_blocker()
+
+
+# ---------------------------------------------------------------------------------
+# Today's stack: Python 3.12, torch >= 2.6, NumPy 2
+# ---------------------------------------------------------------------------------
+
+# Upstream code from 2020-2023 uses names that today's torch and NumPy removed: ``torch._six``
+# (gone in torch 2.0; clip_grads imports ``inf`` from it) and NumPy's aliases of builtins and
+# old spellings (gone in NumPy 1.24/2.0; the indexed dataset's dtype table uses ``np.float``).
+# Each is restored, with the meaning it had, only where it is missing, before any module of
+# the tree runs: every era then imports and trains on today's stack unchanged.
+_NUMPY_REMOVED = {
+    "float": "float", "int": "int", "bool": "bool", "object": "object", "str": "str",
+    "long": "int", "unicode": "str", "complex": "complex",
+    "float_": "float64", "complex_": "complex128", "string_": "bytes_", "unicode_": "str_",
+    "product": "prod", "cumproduct": "cumprod", "alltrue": "all", "sometrue": "any",
+    "NaN": "nan", "NAN": "nan", "Inf": "inf", "Infinity": "inf", "infty": "inf", "PINF": "inf",
+}
+
+
+def _torch_six() -> types.ModuleType:
+    import collections.abc
+
+    six = types.ModuleType("torch._six", "torch._six as torch < 2.0 had it (restored by the ROCm port)")
+    six.inf, six.nan = math.inf, math.nan
+    six.string_classes, six.int_classes = (str, bytes), int
+    six.container_abcs, six.PY3, six.PY37 = collections.abc, True, True
+    return six
+
+
+def install_target_stack_compat() -> list:
+    """Restore the removed names above where this stack lacks them; the names restored."""
+    import builtins
+
+    restored = []
+    if importlib.util.find_spec("torch._six") is None and "torch._six" not in sys.modules:
+        sys.modules["torch._six"] = torch._six = _torch_six()
+        restored.append("torch._six")
+    try:
+        import numpy
+    except ImportError:
+        return restored
+    for name, target in _NUMPY_REMOVED.items():
+        if name not in numpy.__dict__:
+            value = getattr(builtins, target) if target in {"float", "int", "bool", "object", "str", "complex"} \
+                else getattr(numpy, target)
+            setattr(numpy, name, value)
+            restored.append(f"numpy.{name}")
+    return restored
+
+
+install_target_stack_compat()
 
 _SAID = set()
 
