@@ -549,3 +549,15 @@ class BlobReader:
         if "\n" in path or ".." in parts:
             raise ValueError(f"unsupported path: {path!r}")
         return "/".join(parts)
+
+
+def export_commit(repo: str | os.PathLike[str], commit: str, dest: str | os.PathLike[str]) -> None:
+    """Write ``commit``'s files into the folder ``dest`` (no .git): ``git archive`` unpacked by
+    tarfile's data filter, so no entry can land outside ``dest``. Used for the unported upstream
+    a ported tree came from, without touching the tree or its index."""
+    import io
+    import tarfile
+
+    archive = run_git(["archive", "--format=tar", commit], repo, text=False).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")

@@ -28,9 +28,6 @@ is the tree's own.
 from __future__ import annotations
 
 import contextlib
-import os
-import runpy
-import socket
 import sys
 import time
 
@@ -190,38 +187,3 @@ def install(torch) -> contextlib.AbstractContextManager:
     _rng(torch)
     _streams(torch)
     return placement_mode(torch)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or not argv[0].endswith(".py"):
-        print("usage: python -m megaport.train.cpu SCRIPT.py [ARGS...]", file=sys.stderr)
-        return 2
-    script = argv[0]
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
-        os.environ.setdefault(key, value)
-    import torch
-
-    mode = install(torch)
-    for line in SUBSTITUTIONS:
-        print(f"{MARK} {line}", flush=True)
-    sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    with mode:
-        runpy.run_path(script, run_name="__main__")
-    return 0
-
-
-if __name__ == "__main__":
-    # Run from the imported module, not this __main__: runpy gives the script its own __main__, and
-    # torch.compile's guards look the placement mode's helpers up by their module's name.
-    from megaport.train import cpu as _imported
-
-    sys.exit(_imported.main())

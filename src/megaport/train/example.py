@@ -1,0 +1,199 @@
+"""Upstream's example command for an era, shrunk in size only.
+
+The proof that a port works is upstream's own ``pretrain_gpt.py`` with the flags of upstream's
+example script (:mod:`megaport.train.pretrain`, on the CPU and on a GPU alike; the in-process
+harness for trees without the script, :mod:`megaport.train.harness`, parses the same flags). Only
+sizes, iteration counts, parallelism (one rank) and I/O are replaced; every feature flag stays as
+the script has it, under the name the era's parser knows it by (:data:`RENAMED`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass
+
+#: The example scripts, newest layout first; a tree that has one is read.
+EXAMPLE_SCRIPTS = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/pretrain_gpt.sh",
+                   "examples/pretrain_gpt_distributed.sh")
+EXAMPLE_SCRIPT = EXAMPLE_SCRIPTS[0]
+# upstream's examples/gpt3/train_gpt3_175b_distributed.sh (2024 to today): its model, training and
+# parallelism flags, for trees without examples/ (PyPI's megatron-core).
+EXAMPLE_FLAGS = (
+    "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+    "--max-position-embeddings 2048 --attention-backend auto "
+    "--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375 "
+    "--train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 "
+    "--clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 "
+    "--lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16"
+).split()
+#: Flags whose values are paths or I/O, replaced by the run's data; and the batch-size ramp-up, a
+#: schedule over millions of samples (some eras refuse it with --train-iters) that says nothing at
+#: a few steps.
+IO_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir",
+            "--save-interval", "--eval-interval", "--eval-iters", "--log-interval", "--split",
+            "--rampup-batch-size")
+#: Flags upstream renamed while its example script kept the old name (the script's run then fails
+#: in the parser): old name -> new name, used only where the tree's parser lacks the old one.
+RENAMED = {"--activations-checkpoint-method": "--recompute-method",
+           "--checkpoint-activations": "--recompute-activations",
+           "--distribute-checkpointed-activations": "--distribute-saved-activations"}
+#: torchrun's own flags, which the scripts pass before pretrain_gpt.py.
+LAUNCHER_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
+                  "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
+                  "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--standalone")
+#: Logging and evaluation of a short run: every iteration logged, no evaluation.
+SHORT_RUN = ["--split", "949,50,1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
+#: What a ROCm user without megaport adds to run upstream at all (those the era's parser has).
+FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+                     "--no-rope-fusion", "--transformer-impl", "local"]
+#: Where upstream's parser is defined, newest layout first.
+ARGUMENT_FILES = ("megatron/training/arguments.py", "megatron/arguments.py")
+
+
+def example_flags(tree: str) -> tuple[list, str]:
+    """The example script's flags (see :func:`script_flags`) and where they came from: the tree's
+    script, else the copy above."""
+    for rel in EXAMPLE_SCRIPTS:
+        path = os.path.join(tree, rel)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return script_flags(f.read()), f"{rel} of the tree"
+    return list(EXAMPLE_FLAGS), f"{EXAMPLE_SCRIPT} as of 2024-2026 (the tree has no example script)"
+
+
+def _words(line: str) -> list:
+    """A shell line's words: quotes group (a quoted schedule stays one value), comments end it."""
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote: the line is not one of the flags' lines
+        return []
+
+
+def script_flags(text: str) -> list:
+    """The flags a shell script passes to pretrain_gpt.py, in order: every ``--flag value...`` in
+    it (``ARGS=( ... )`` arrays, ``ARGS="..."`` strings or one command line alike) but torchrun's,
+    without comments, or flags whose values are shell variables (paths). A flag's values end at the
+    next flag or the end of its (continued) line; a quoted value stays one value."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        line = re.sub(r"^\s*\w+=\(|^\s*\)", " ", line)  # ARGS=( ... ) array brackets
+        words = _words(line)
+        if len(words) == 1 and "--" in words[0] and re.match(r"^\s*\w+=\"", line):
+            words = _words(words[0].split("=", 1)[1])  # ARGS="--a 1 --b 2"
+        tokens = [t for t in (w.strip("()") for w in words) if t]
+        i = 0
+        while i < len(tokens):
+            flag = tokens[i]
+            i += 1
+            if not re.fullmatch(r"--[A-Za-z0-9][-A-Za-z0-9_]*", flag):
+                continue
+            values = []
+            while i < len(tokens) and not tokens[i].startswith("--"):
+                values.append(tokens[i])
+                i += 1
+            if flag in LAUNCHER_FLAGS or any("$" in v or "<" in v for v in values):
+                continue
+            out += [flag, *values]
+    return out
+
+
+def parser_has(tree: str, flag: str) -> bool:
+    """True when the tree's argument parser defines ``flag``."""
+    for rel in ARGUMENT_FILES:
+        path = os.path.join(tree, rel)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            return f"'{flag}'" in text or f'"{flag}"' in text
+    return False
+
+
+def parser_text(tree: str) -> str:
+    """The text of the tree's argument parser (empty when it has none)."""
+    for rel in ARGUMENT_FILES:
+        path = os.path.join(tree, rel)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    return ""
+
+
+def fusions_off_flags(tree: str) -> list:
+    """:data:`FUSIONS_OFF_FLAGS` less those the era's parser would refuse (``--no-rope-fusion``
+    exists from 2024-01, ``--transformer-impl`` from 2022-12)."""
+    out, i = [], 0
+    while i < len(FUSIONS_OFF_FLAGS):
+        flag = FUSIONS_OFF_FLAGS[i]
+        takes = 2 if flag == "--transformer-impl" else 1
+        if parser_has(tree, flag):
+            out += FUSIONS_OFF_FLAGS[i:i + takes]
+        i += takes
+    return out
+
+
+@dataclass
+class Sizes:
+    """What a shrunk run changes: model and batch sizes, and how many iterations."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    seq: int = 64
+    batch: int = 2
+    steps: int = 40
+    vocab: int = 128  # mock data's vocabulary (NullTokenizer)
+
+
+def mock_data(sizes: Sizes) -> list:
+    """Data flags for eras whose parser has ``--mock-data``: mock data and the NullTokenizer."""
+    return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(sizes.vocab), *SHORT_RUN]
+
+
+def _grouped(tokens: list) -> list:
+    """``[(flag, [values...]), ...]`` in order."""
+    out, i = [], 0
+    while i < len(tokens):
+        flag, values = tokens[i], []
+        i += 1
+        while i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])
+            i += 1
+        out.append((flag, values))
+    return out
+
+
+def shrunk(tokens: list, sizes: Sizes, *, data: list, tree: str | None = None,
+           notes: list | None = None) -> list:
+    """The script's flags with ``sizes``, one rank, and ``data`` in place of its I/O.
+
+    With ``tree``, a flag upstream renamed after the script was written takes the name the tree's
+    parser knows (:data:`RENAMED`). A step batch-size schedule (samples into the billions) becomes
+    one step at the run's batch, and then ``--global-batch-size``, which upstream's parser refuses
+    beside a schedule (its own script passes both), is left out. What changed goes to ``notes``.
+    """
+    notes = [] if notes is None else notes
+    values_of = {"--num-layers": [sizes.layers], "--hidden-size": [sizes.hidden],
+                 "--num-attention-heads": [sizes.heads], "--seq-length": [sizes.seq],
+                 "--max-position-embeddings": [sizes.seq], "--micro-batch-size": [sizes.batch],
+                 "--global-batch-size": [sizes.batch], "--train-iters": [sizes.steps],
+                 "--lr-decay-iters": [sizes.steps], "--tensor-model-parallel-size": [1],
+                 "--pipeline-model-parallel-size": [1],
+                 "--step-batch-size-schedule": [f"0:{sizes.batch}"]}
+    groups = [(f, v) for f, v in _grouped(tokens) if f.startswith("--") and f not in IO_FLAGS]
+    flags = {f for f, _ in groups}
+    if "--step-batch-size-schedule" in flags and "--global-batch-size" in flags:
+        groups = [(f, v) for f, v in groups if f != "--global-batch-size"]
+        notes.append("--step-batch-size-schedule shrunk to one step at the run's batch; --global-batch-size "
+                     "left out (upstream's parser refuses both, which its script passes)")
+    text = parser_text(tree) if tree else ""
+    out = []
+    for flag, values in groups:
+        new = RENAMED.get(flag)
+        if text and new and not parser_has(tree, flag) and parser_has(tree, new):
+            notes.append(f"{flag} is {new} in this era's parser (upstream renamed it; its script kept the old name)")
+            flag = new
+        out += [flag] + [str(v) for v in values_of.get(flag, values)]
+    return out + data

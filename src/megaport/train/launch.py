@@ -1,0 +1,59 @@
+"""What torchrun starts on each rank: the tree's own script as ``__main__``, and its peak memory.
+
+    python -m torch.distributed.run --nproc_per_node 1 ... -m megaport.train.launch [--cpu] pretrain_gpt.py ARGS
+
+With ``--cpu`` the CUDA-only plumbing is substituted first (:mod:`megaport.train.cpu`). When the
+script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on a GPU
+(upstream's own memory report comes after the first iteration, before fp16's skipped steps end
+and the optimizer's state exists), the process's peak RSS on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import runpy
+import sys
+
+PEAK = "> megaport: peak memory"
+
+
+def _peak(torch, cpu: bool) -> str:
+    if cpu:
+        return f"{PEAK} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024} bytes (process max RSS)"
+    return f"{PEAK} {torch.cuda.max_memory_allocated()} bytes (torch.cuda.max_memory_allocated)"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cpu = bool(argv) and argv[0] == "--cpu"
+    argv = argv[1:] if cpu else argv
+    if not argv or not argv[0].endswith(".py"):
+        print("usage: python -m megaport.train.launch [--cpu] SCRIPT.py [ARGS...]", file=sys.stderr)
+        return 2
+    import torch
+
+    placement = contextlib.nullcontext()
+    if cpu:
+        from megaport.train import cpu as substitutions
+
+        placement = substitutions.install(torch)
+        for line in substitutions.SUBSTITUTIONS:
+            print(f"{substitutions.MARK} {line}", flush=True)
+    script = os.path.abspath(argv[0])
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    code = 0
+    try:
+        with placement:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # some eras end with sys.exit() after training
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if code == 0:
+        print(_peak(torch, cpu), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Upstream's training log, read: losses and ms/iter per iteration, and why a run failed."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
+_ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
+_LOSS = re.compile(r"\blm loss:\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
+PORT_LINE = "> ROCm port:"
+
+
+@dataclass
+class Iteration:
+    """One line of upstream's training log."""
+
+    iteration: int
+    loss: float
+    ms: float
+
+
+def parse_log(text: str) -> list:
+    """Every iteration line of upstream's training log (``iteration N/ M | ... elapsed time per
+    iteration (ms): T | ... lm loss: L |``); lines without a loss (skipped fp16 steps) are left out."""
+    found = []
+    for line in text.splitlines():
+        it, ms, loss = _ITERATION.search(line), _ELAPSED.search(line), _LOSS.search(line)
+        if it and ms and loss:
+            found.append(Iteration(int(it.group(1)), float(loss.group(1)), float(ms.group(1))))
+    return found
+
+
+def failure_message(returncode: int, stdout: str, stderr: str, logged: int, lines: int = 25) -> str:
+    """Why the run failed, in the rank's own words: torchrun's exit status is always 1 and its
+    ChildFailedError report ends stderr, so the rank's exit code is read from that report and the
+    report itself is left out of the quoted tail."""
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", stderr)
+    launcher = stderr.find("Traceback (most recent call last)") if "ChildFailedError" in stderr else -1
+    while launcher >= 0 and "torch/distributed" not in stderr[launcher:launcher + 400]:
+        launcher = stderr.find("Traceback (most recent call last)", launcher + 1)
+    own = stderr[:launcher] if launcher >= 0 else stderr
+    tail = "\n".join((stdout.rstrip() + "\n" + own.rstrip()).strip().splitlines()[-lines:])
+    status = f"exit code {code.group(1)}" if code else f"exit code {returncode}"
+    return f"pretrain_gpt.py failed ({status}) after {logged} logged iterations:\n{tail}"
+
+
+def port_lines(text: str) -> list:
+    """The ``> ROCm port:`` lines the port printed: what it served or switched off."""
+    return sorted({line.strip() for line in text.splitlines() if line.strip().startswith(PORT_LINE)})

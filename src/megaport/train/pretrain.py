@@ -1,0 +1,182 @@
+"""Upstream's own entry point, on the CPU or a GPU: ``pretrain_gpt.py`` with the era's example flags.
+
+What a ROCm user runs after ``megaport apply`` is upstream's ``pretrain_gpt.py`` with the flags of
+upstream's example script. ``megaport verify`` and ``megaport bench --train`` run exactly that,
+changed in size only (:mod:`megaport.train.example`), under torchrun, and read upstream's own
+training log (:mod:`megaport.train.log`):
+
+    python -m megaport.train.pretrain --tree DIR [--device cpu|cuda] [--mode ported|fusions-off]
+                                      [--layers 2 --hidden 64 ...] [--print-command]
+
+Data: mock data where the era's parser has ``--mock-data``, else a tiny indexed dataset and GPT-2
+vocabulary written for the run (:mod:`megaport.train.data`). On a machine without a GPU the rank
+runs with the CPU substitutions of :mod:`megaport.train.cpu`, listed in the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+
+from megaport.train import example, log
+from megaport.train.cpu import MARK as CPU_MARK
+from megaport.train.launch import PEAK
+
+MODES = ("ported", "fusions-off")
+_PEAK = re.compile(re.escape(PEAK) + r" (\d+) bytes \(([^)]*)\)")
+#: Sizes of a run on a GPU: large enough that the kernels, not the launch overhead, are timed.
+GPU_SIZES = example.Sizes(layers=2, hidden=256, heads=4, seq=512, batch=2, steps=40)
+
+
+@dataclass
+class Run:
+    """One run of the tree's pretrain_gpt.py."""
+
+    tree: str
+    mode: str = "ported"  # or "fusions-off": what a ROCm user without megaport runs
+    device: str = "cpu"  # or "cuda": a GPU (HIP on ROCm)
+    sizes: example.Sizes = field(default_factory=example.Sizes)
+    warmup: int = 3  # logged iterations left out of ms/iter (compilation, allocator warm-up)
+    dropout: float | None = None  # None keeps the example's; 0.0 where loss parity needs it
+    nproc: int = 1
+
+
+@dataclass
+class Command:
+    """What runs: argv, working directory, what the data is, and what was changed to run it."""
+
+    argv: list
+    cwd: str
+    data: str
+    notes: list = field(default_factory=list)
+
+    def shell(self, env: dict | None = None) -> str:
+        """A line to paste into a shell, with ``env``'s variables set for the command."""
+        assigned = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+        return f"cd {shlex.quote(self.cwd)} && " + " ".join(assigned + [shlex.quote(a) for a in self.argv])
+
+
+def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
+    """The torchrun command of the tree's pretrain_gpt.py for ``run``; data files go to ``workdir``."""
+    tokens, source = example.example_flags(run.tree)
+    notes = [f"flags of {source}, changed in size, iterations and data only"]
+    if example.parser_has(run.tree, "--mock-data"):
+        data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
+    else:
+        from megaport.train.data import indexed_data_flags
+
+        data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN)
+        described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
+    flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes)
+    if run.mode == "fusions-off":
+        flags += example.fusions_off_flags(run.tree)
+    if run.dropout is not None:
+        flags += ["--hidden-dropout", str(run.dropout), "--attention-dropout", str(run.dropout)]
+        notes.append(f"dropout {run.dropout} (for loss parity)")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
+                "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
+    return Command(launcher + ["pretrain_gpt.py", *flags], run.tree, described, notes)
+
+
+def environment(tree: str, base: dict | None = None) -> dict:
+    """The run's environment: the tree first on PYTHONPATH, upstream's scripts' own settings, and
+    this interpreter's folders first on PATH, so upstream's dataset-helper Makefile builds for it
+    (it calls ``python3`` and ``python3-config``, which a venv lacks)."""
+    env = dict(os.environ if base is None else base)
+    paths = [tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    folders = [os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or ""]
+    env.update(PYTHONPATH=os.pathsep.join(paths), CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PATH=os.pathsep.join([f for f in folders if f] + [env.get("PATH", "")]))
+    return env
+
+
+def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
+    """Run the tree's pretrain_gpt.py for ``run`` and read its log: losses per logged iteration,
+    ms/iter (median after ``run.warmup``), tokens/s, peak memory, the command and what the port
+    and the CPU substitutions said. Raises RuntimeError with the log's end when it fails."""
+    with tempfile.TemporaryDirectory(prefix="megaport-pretrain-") as workdir:
+        cmd = command(run, workdir)
+        proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=environment(run.tree, env), capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    text = proc.stdout + "\n" + proc.stderr
+    iterations = log.parse_log(text)
+    if proc.returncode != 0 or not iterations:
+        raise RuntimeError(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations)))
+    timed = [i.ms for i in iterations[run.warmup:]] or [i.ms for i in iterations]
+    ms = statistics.median(timed)
+    peak = _PEAK.search(text)
+    sizes = run.sizes
+    return {"command": cmd.shell(), "data": cmd.data, "notes": cmd.notes, "mode": run.mode, "device": run.device,
+            "sizes": dataclasses.asdict(sizes),
+            "iterations": [i.iteration for i in iterations], "losses": [i.loss for i in iterations],
+            "ms_per_iter": ms, "tokens_per_s": sizes.batch * sizes.seq * run.nproc / (ms / 1000),
+            "peak_memory_bytes": int(peak.group(1)) if peak else None,
+            "peak_memory_kind": peak.group(2) if peak else None,
+            "port_log": log.port_lines(text),
+            "substitutions": [line[len(CPU_MARK):].strip() for line in text.splitlines() if line.startswith(CPU_MARK)]}
+
+
+def loss_parity(ported: dict, baseline: dict) -> dict:
+    """Per-iteration losses of two runs, compared where both logged one: the iterations compared
+    and the largest relative difference. Both runs must have logged the same iterations (fp16's
+    loss-scale search skips the same ones when the model computes the same)."""
+    mine = dict(zip(ported["iterations"], ported["losses"]))
+    theirs = dict(zip(baseline["iterations"], baseline["losses"]))
+    common = sorted(set(mine) & set(theirs))
+    worst = max((abs(mine[i] - theirs[i]) / abs(theirs[i]) for i in common), default=float("inf"))
+    return {"iterations": common, "same_iterations": set(mine) == set(theirs),
+            "max_relative_difference": worst,
+            "ported": [round(mine[i], 5) for i in common], "upstream": [round(theirs[i], 5) for i in common]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", required=True, help="a Megatron-LM tree (megaport apply --dest DIR)")
+    parser.add_argument("--mode", choices=MODES, default="ported")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                        help="cuda: a GPU (HIP on ROCm), under torchrun; cpu: with megaport's CPU substitutions")
+    for name, value in dataclasses.asdict(GPU_SIZES).items():
+        parser.add_argument(f"--{name}", type=int, help=f"default {value} on a GPU, "
+                            f"{getattr(example.Sizes(), name)} on the CPU")
+    parser.add_argument("--print-command", action="store_true",
+                        help="write the run's data files (eras without --mock-data) to --workdir, print the "
+                             "command and exit")
+    parser.add_argument("--workdir", help="where --print-command writes data files (default: a new temporary folder)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.tree, "pretrain_gpt.py")):
+        parser.error(f"{args.tree} has no pretrain_gpt.py; give a Megatron-LM tree (megaport apply --dest DIR)")
+    defaults = GPU_SIZES if args.device == "cuda" else example.Sizes()
+    sizes = example.Sizes(**{k: getattr(args, k) if getattr(args, k) is not None else v
+                             for k, v in dataclasses.asdict(defaults).items()})
+    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=sizes)
+    if args.print_command:
+        workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
+        os.makedirs(workdir, exist_ok=True)
+        cmd = command(run, workdir, port=29500)
+        env = environment(run.tree, {})
+        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS")}))
+        return 0
+    print(json.dumps(run_pretrain(run)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
