@@ -165,7 +165,7 @@ def install_target_stack_compat() -> list:
     import builtins
 
     restored = []
-    if importlib.util.find_spec("torch._six") is None and "torch._six" not in sys.modules:
+    if "torch._six" not in sys.modules and importlib.util.find_spec("torch._six") is None:
         sys.modules["torch._six"] = torch._six = _torch_six()
         restored.append("torch._six")
     try:

@@ -1,23 +1,92 @@
 """The yardstick: the unported upstream commit a ported tree came from, as a user without megaport
-runs it (its fusions off, no megaport code anywhere).
+runs it (its fusions off, none of the series' changes).
 
 It is exported from the tree's own git objects into a temporary folder, so the tree is never
-touched. Upstream of 2023-07 to 2024-06 cannot even import without TransformerEngine (its
-megatron/core imports TE layers unguarded); there, and only after a run failed for exactly that
-reason, the baseline gets an import stub of ``transformer_engine`` that provides nothing: any use
-of it raises. That stub is the one baseline shim, and the report lists it.
+touched. Some eras' unported upstream cannot even start on today's stack without help; there,
+and only after a run failed for exactly that reason (:func:`shim_for`), the baseline gets the
+smallest shim that lets it start, each listed in the report (:data:`SHIMS`):
+
+- ``transformer-engine``: 2023-07 to 2024-06 import TE layers unguarded. An import stub of
+  ``transformer_engine`` that provides nothing: any use of it raises.
+- ``stack``: 2020-2023 code uses names today's torch and NumPy removed (``torch._six``,
+  ``np.float``). The port's own restoration of those names (rocm_port.py, the one source),
+  nothing computational.
+- ``apex``: until 2023 Megatron imports apex, ``amp_C`` and the fused layer-norm extension
+  unconditionally. What a ROCm apex build would give: the PyTorch stand-ins of rocm_port.py
+  (optimizer, multi-tensor ops, layer norm) as ``apex``/``amp_C``/``*_cuda`` modules. The model's
+  fusions under test (softmax, bias-GeLU, bias-dropout, gradient accumulation) stay upstream's
+  unfused paths.
+- ``fused-kernel-build``: until 2023 upstream compiles its CUDA extensions with nvcc at start-up,
+  even with the fusions off; the build is skipped (the ``apex`` shim serves the extensions).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
+import re
 import tempfile
 
 from megaport.git import export_commit
 
-TE_MISSING = "No module named 'transformer_engine'"
-TE_STUB = "transformer_engine import stub (provides nothing; any use raises)"
+SHIMS = {
+    "transformer-engine": "transformer_engine import stub (provides nothing; any use raises)",
+    "stack": "torch._six and NumPy's removed aliases restored (the port's own restoration; nothing computational)",
+    "apex": "apex, amp_C and the layer-norm/wgrad extensions served by the port's PyTorch stand-ins "
+            "(what a ROCm apex build gives); the fusions under test stay upstream's unfused paths",
+    "fused-kernel-build": "upstream's nvcc build of its CUDA extensions at start-up skipped",
+}
+_NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
+    (re.compile(r"No module named '(transformer_engine)"), "transformer-engine"),
+    (re.compile(r"No module named '(torch\._six)'|module 'numpy' has no attribute"), "stack"),
+    (re.compile(r"No module named '(apex|amp_C|fused_\w*_cuda|\w*layer_norm_cuda)"), "apex"),
+    (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
+)
+_APEX_MODULES = {  # module -> names it takes from the port's stand-ins
+    "amp_C": "from _megaport_standins import amp_C as _m\nglobals().update(vars(_m))\n",
+    "fused_mix_prec_layer_norm_cuda": "from _megaport_standins import fused_mix_prec_layer_norm_cuda as _m\n"
+                                      "globals().update(vars(_m))\n",
+    "fused_layer_norm_cuda": "from _megaport_standins import fused_mix_prec_layer_norm_cuda as _m\n"
+                             "globals().update(vars(_m))\n",
+    "fused_weight_gradient_mlp_cuda": "from _megaport_standins import fused_weight_gradient_mlp_cuda as _m\n"
+                                      "globals().update(vars(_m))\n",
+    "apex/__init__": "",
+    "apex/optimizers/__init__": "from _megaport_standins import FusedAdam, FusedSGD\n",
+    "apex/multi_tensor_apply/__init__": "from _megaport_standins import multi_tensor_applier\n",
+    "apex/normalization/__init__": "from .fused_layer_norm import FusedLayerNormAffineFunction, FusedRMSNormAffineFunction\n",
+    "apex/normalization/fused_layer_norm": "from _megaport_standins import FusedLayerNormAffineFunction, "
+                                           "FusedRMSNormAffineFunction\n",
+}
+_KERNEL_BUILD_HOOK = '''
+class _SkipKernelBuild:
+    """After megatron.fused_kernels (or megatron.legacy.fused_kernels) loads, its load* functions
+    do nothing: the extensions come from the apex shim."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.endswith("fused_kernels") or not fullname.startswith("megatron"):
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None:
+            return None
+        real = spec.loader.exec_module
+
+        def exec_module(module):
+            real(module)
+            for name in [n for n in vars(module) if n.startswith("load")]:
+                if callable(getattr(module, name)):
+                    setattr(module, name, lambda *args, **kwargs: None)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _SkipKernelBuild())
+'''
 
 _TE_STUB_SOURCE = '''"""Import stub of TransformerEngine for megaport's baseline run: it provides nothing.
 
@@ -66,11 +135,83 @@ def unported_upstream(tree, sha: str):
         yield folder, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def with_te_stub(env: dict, stub_dir: str) -> dict:
-    """``env`` with a TransformerEngine import stub written into ``stub_dir`` first on PYTHONPATH."""
-    package = os.path.join(stub_dir, "transformer_engine")
-    os.makedirs(package, exist_ok=True)
-    with open(os.path.join(package, "__init__.py"), "w", encoding="utf-8") as f:
-        f.write(_TE_STUB_SOURCE)
-    paths = [stub_dir] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+def shim_for(failure: str, have: list) -> str | None:
+    """The shim that gets past this failure (the first that matches and is not in ``have``)."""
+    for pattern, shim in _NEEDS:
+        if shim not in have and pattern.search(failure):
+            return shim
+    return None
+
+
+def _write(folder: str, module: str, text: str) -> None:
+    path = os.path.join(folder, module + ".py")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _stack_source(port_source: str) -> str:
+    """The port's restoration of removed names, taken from rocm_port.py's own source (one source):
+    its table and the two functions, then the call."""
+    tree = ast.parse(port_source)
+    wanted = {"_NUMPY_REMOVED", "_torch_six", "install_target_stack_compat"}
+    parts = [ast.get_source_segment(port_source, node) for node in tree.body
+             if getattr(node, "name", None) in wanted
+             or any(getattr(t, "id", None) in wanted for t in getattr(node, "targets", []))]
+    return "\n\n".join(parts) + "\n\n\ninstall_target_stack_compat()\n"
+
+
+def write_shims(folder: str, shims: list) -> None:
+    """The shims into ``folder``: modules and packages, and one ``sitecustomize`` that Python runs
+    at start-up for what must happen before upstream's first import."""
+    from megaport.replacements import render
+
+    port = render(fully_masked_rows_are_zero=True)
+    startup = ["import importlib.util", "import math", "import sys", "import types", ""]
+    if "transformer-engine" in shims:
+        _write(folder, "transformer_engine/__init__", _TE_STUB_SOURCE)
+    if "stack" in shims:
+        startup += ["import torch", "", _stack_source(port)]
+    if "apex" in shims:
+        # The port's module, minus its import blocker (which refuses apex) and its restoration of
+        # removed names (the "stack" shim, added only where the run needs it).
+        standins = port.replace("\ninstall_import_blocker()\n", "\n").replace("\ninstall_target_stack_compat()\n", "\n")
+        _write(folder, "_megaport_standins", standins)
+        for module, text in _APEX_MODULES.items():
+            _write(folder, module, text)
+    if "fused-kernel-build" in shims:
+        startup.append(_KERNEL_BUILD_HOOK)
+    _write(folder, "sitecustomize", "\n".join(startup) + "\n")
+
+
+def with_shims(env: dict, folder: str, shims: list) -> dict:
+    """``env`` with the ``shims`` written into ``folder`` first on PYTHONPATH."""
+    write_shims(folder, shims)
+    paths = [folder] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run_unported(run, sha: str, *, attempts: int = 5) -> tuple[dict, list]:
+    """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
+    given (its mode, sizes and dropout): (the result, the shims it needed). A shim is added only
+    after a run failed for its reason; any other failure is raised as it is."""
+    import dataclasses
+
+    from megaport.train.pretrain import run_pretrain
+
+    shims: list = []
+    with unported_upstream(run.tree, sha) as (folder, env), \
+            tempfile.TemporaryDirectory(prefix="megaport-shims-") as shim_dir:
+        upstream = dataclasses.replace(run, tree=folder)
+        for _ in range(attempts):
+            try:
+                result = run_pretrain(upstream, with_shims(env, shim_dir, shims) if shims else env)
+            except RuntimeError as exc:
+                needed = shim_for(str(exc), shims)
+                if needed is None:
+                    raise
+                shims.append(needed)
+                continue
+            result["baseline_shims"] = [SHIMS[s] for s in shims]
+            return result, shims
+    raise RuntimeError(f"the unported upstream did not start even with the shims {shims}")
