@@ -350,13 +350,15 @@ def doctor(json_file):
 @click.option("--heads", type=click.IntRange(1), help="--train: attention heads [GPU 16, CPU 4].")
 @click.option("--seq", type=click.IntRange(1), help="--train: sequence length [GPU 2048, CPU 512].")
 @click.option("--batch", type=click.IntRange(1), help="--train: micro-batch size [GPU 4, CPU 2].")
-@click.option("--steps", type=click.IntRange(2), help="--train: training steps per run [GPU 30, CPU 12].")
-@click.option("--warmup", type=click.IntRange(0), help="--train: steps left out of the timing [GPU 5, CPU 2].")
+@click.option("--steps", type=click.IntRange(2), help="--train: training iterations per run [40].")
+@click.option("--warmup", type=click.IntRange(0),
+              help="--train: logged iterations left out of the timing [GPU 5, CPU 3].")
 @click.option("--rounds", type=click.IntRange(1, 100), default=1, show_default=True,
               help="--train: runs of each side, alternating which goes first; medians are reported.")
 @click.option("--entry", type=click.Choice(["auto", "pretrain", "harness"]), default="auto", show_default=True,
-              help="--train: upstream's pretrain_gpt.py under torchrun (a GPU and a Megatron-LM clone), or "
-                   "megaport's harness on upstream's builders; auto takes pretrain_gpt.py where it can run.")
+              help="--train: the tree's own pretrain_gpt.py under torchrun (on CPU with megaport's substitutions "
+                   "for CUDA-only plumbing), or megaport's harness on upstream's builders (trees from PyPI's "
+                   "megatron-core); auto takes pretrain_gpt.py where the tree has it.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, train, layers, hidden, heads,
           seq, batch, steps, warmup, rounds, entry):
@@ -369,12 +371,12 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, t
     backward, medians over interleaved runs, peak memory, and achieved bandwidth
     against a plain copy of the same tensors.
     \b
-    --train: a GPT on the ported tree with upstream's default fusions and on the
-    tree's upstream commit with the fusions off (exported next to it; the tree is
-    not touched), same seed and batches: ms/iter, tokens/s, peak memory, the loss per
-    step, and the ratios. On a GPU with a Megatron-LM clone both run upstream's
-    pretrain_gpt.py with the example script's flags (shrunk); elsewhere megaport's
-    harness on upstream's megatron.core builders.
+    --train: the ported tree's own pretrain_gpt.py with the era's example flags
+    (shrunk), and the tree's unported upstream commit with the fusions off (exported
+    next to it; the tree is not touched), same seed, data and flags: ms/iter,
+    tokens/s, peak memory, the loss per logged iteration, and the ratios. Trees
+    without pretrain_gpt.py (PyPI's megatron-core) run megaport's harness on
+    upstream's megatron.core builders instead.
     \b
     Measures; never asserts.
     """

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megaport.errors import MegaportError
+
 # Variables that decide which GPUs a process sees. On ROCm torch prefers HIP_VISIBLE_DEVICES over
 # CUDA_VISIBLE_DEVICES, and ROCR_VISIBLE_DEVICES filters first (torch/cuda/__init__.py).
 VISIBILITY_VARIABLES = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
@@ -256,3 +258,46 @@ def summary_rows(info: dict) -> list[tuple[str, str]]:
 
 if __name__ == "__main__":  # pragma: no cover - exercised through probe_subprocess
     print(json.dumps(probe()))
+
+
+TORCH_HINT = (
+    "install the torch build for your platform first (megaport never installs torch): on ROCm, "
+    "ROCm's build, e.g. pip install torch --index-url https://download.pytorch.org/whl/rocm<version>; "
+    "on NVIDIA, a CUDA build; elsewhere the CPU build"
+)
+
+
+def require_torch(info: dict, python: str) -> None:
+    if not info.get("torch"):
+        error = info.get("torch_error", "not importable")
+        raise MegaportError(f"torch is not importable by {python} ({error}); {TORCH_HINT}", exit_code=2)
+
+
+def resolve_device(requested: str, info: dict) -> str:
+    """'hip', 'cuda' or 'cpu'; a requested GPU this machine cannot give fails at once (exit 2)."""
+    if requested == "auto":
+        return device_kind(info)
+    if requested == "cpu":
+        return "cpu"
+    build = info.get("build")
+    count = len(info.get("gpus") or []) if info.get("gpu_available") else 0
+    if requested == "hip":
+        if build != "rocm":
+            raise MegaportError(
+                f"--device hip: torch {info.get('torch')} is a {build} build (torch.version.hip is None); "
+                "install ROCm's torch build, or use --device auto", exit_code=2)
+        if count == 0:
+            raise MegaportError(
+                "--device hip: torch sees no HIP GPU (torch.cuda.device_count() == 0); check that /dev/kfd and "
+                "/dev/dri are accessible (render/video groups) and HIP_VISIBLE_DEVICES/ROCR_VISIBLE_DEVICES "
+                "(run 'megaport doctor')", exit_code=2)
+        return "hip"
+    if build == "rocm":
+        raise MegaportError("--device cuda: torch is a ROCm build; use --device hip", exit_code=2)
+    if build != "cuda":
+        raise MegaportError(f"--device cuda: torch {info.get('torch')} is a {build} build; install a CUDA build "
+                            "or use --device cpu", exit_code=2)
+    if count == 0:
+        raise MegaportError("--device cuda: torch sees no CUDA GPU (torch.cuda.device_count() == 0); "
+                            "check the driver and CUDA_VISIBLE_DEVICES", exit_code=2)
+    return "cuda"

@@ -264,3 +264,31 @@ def remove_tree(path: Path) -> None:
 def tree_summary(tree: Path) -> tuple[str | None, bool]:
     """HEAD commit and whether the work tree has changes."""
     return rev_parse(tree, "HEAD"), is_dirty(tree)
+
+
+def ported_tree(tree: Path) -> tuple[Path, PortState]:
+    """The tree and its recorded state, or a usage error (exit 2)."""
+    tree = tree.expanduser().absolute()
+    if not tree.is_dir():
+        raise MegaportError(f"{tree} is not a directory; give the ported tree (megaport apply --dest)", exit_code=2)
+    state = read_state(tree)
+    if state is None:
+        raise MegaportError(
+            f"{tree} is not a ported tree (no .git/megaport/state.json); run 'megaport apply' first", exit_code=2)
+    return tree, state
+
+
+def subprocess_env(tree: Path) -> dict:
+    env = dict(os.environ)
+    parts = [str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    # Only the plugins the suite asks for: third-party pytest plugins installed on the machine
+    # (random order, xdist, timeouts...) stay out of the run.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    # Never write __pycache__ into the tree (it would show up in git status): cache it in
+    # megaport's home instead, unless bytecode writing is off anyway.
+    if not env.get("PYTHONDONTWRITEBYTECODE") and not env.get("PYTHONPYCACHEPREFIX"):
+        from megaport.store import default_home
+
+        env["PYTHONPYCACHEPREFIX"] = str(default_home() / "pycache")
+    return env

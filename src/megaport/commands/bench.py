@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaport import device as devices
-from megaport.commands.verify import ported_tree, require_torch, resolve_device, subprocess_env
+from megaport.device import require_torch, resolve_device
+from megaport.porttree import ported_tree, subprocess_env
 from megaport.errors import MegaportError
 from megaport.report import write_json
 

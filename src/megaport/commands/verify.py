@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,12 @@ from pathlib import Path
 from megaport import device as devices
 from megaport.catalogue import load_catalogue
 from megaport.errors import MegaportError
-from megaport.porttree import PortState, read_state
+from megaport.device import require_torch, resolve_device
+from megaport.porttree import PortState, ported_tree, subprocess_env
 from megaport.report import write_json
 
 DEVICE_CHOICES = ("auto", "hip", "cuda", "cpu")
 MIN_PYTEST = (7, 4)
-TORCH_HINT = (
-    "install the torch build for your platform first (megaport never installs torch): on ROCm, "
-    "ROCm's build, e.g. pip install torch --index-url https://download.pytorch.org/whl/rocm<version>; "
-    "on NVIDIA, a CUDA build; elsewhere the CPU build"
-)
 
 
 @dataclass
@@ -50,18 +45,6 @@ def smoke_dir() -> Path:
     from megaport.smoke import SMOKE_DIR
 
     return SMOKE_DIR
-
-
-def ported_tree(tree: Path) -> tuple[Path, PortState]:
-    """The tree and its recorded state, or a usage error (exit 2)."""
-    tree = tree.expanduser().absolute()
-    if not tree.is_dir():
-        raise MegaportError(f"{tree} is not a directory; give the ported tree (megaport apply --dest)", exit_code=2)
-    state = read_state(tree)
-    if state is None:
-        raise MegaportError(
-            f"{tree} is not a ported tree (no .git/megaport/state.json); run 'megaport apply' first", exit_code=2)
-    return tree, state
 
 
 def era_semantics(state: PortState, patches: str | None) -> str:
@@ -89,58 +72,6 @@ def require_pytest(python: str) -> None:
         if version < MIN_PYTEST:
             raise MegaportError(f"pytest {pytest.__version__} is too old for the smoke suite; "
                                 "pip install 'pytest>=8'", exit_code=2)
-
-
-def require_torch(info: dict, python: str) -> None:
-    if not info.get("torch"):
-        error = info.get("torch_error", "not importable")
-        raise MegaportError(f"torch is not importable by {python} ({error}); {TORCH_HINT}", exit_code=2)
-
-
-def resolve_device(requested: str, info: dict) -> str:
-    """'hip', 'cuda' or 'cpu'; a requested GPU this machine cannot give fails at once (exit 2)."""
-    if requested == "auto":
-        return devices.device_kind(info)
-    if requested == "cpu":
-        return "cpu"
-    build = info.get("build")
-    count = len(info.get("gpus") or []) if info.get("gpu_available") else 0
-    if requested == "hip":
-        if build != "rocm":
-            raise MegaportError(
-                f"--device hip: torch {info.get('torch')} is a {build} build (torch.version.hip is None); "
-                "install ROCm's torch build, or use --device auto", exit_code=2)
-        if count == 0:
-            raise MegaportError(
-                "--device hip: torch sees no HIP GPU (torch.cuda.device_count() == 0); check that /dev/kfd and "
-                "/dev/dri are accessible (render/video groups) and HIP_VISIBLE_DEVICES/ROCR_VISIBLE_DEVICES "
-                "(run 'megaport doctor')", exit_code=2)
-        return "hip"
-    if build == "rocm":
-        raise MegaportError("--device cuda: torch is a ROCm build; use --device hip", exit_code=2)
-    if build != "cuda":
-        raise MegaportError(f"--device cuda: torch {info.get('torch')} is a {build} build; install a CUDA build "
-                            "or use --device cpu", exit_code=2)
-    if count == 0:
-        raise MegaportError("--device cuda: torch sees no CUDA GPU (torch.cuda.device_count() == 0); "
-                            "check the driver and CUDA_VISIBLE_DEVICES", exit_code=2)
-    return "cuda"
-
-
-def subprocess_env(tree: Path) -> dict:
-    env = dict(os.environ)
-    parts = [str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(parts)
-    # Only the plugins the suite asks for: third-party pytest plugins installed on the machine
-    # (random order, xdist, timeouts...) stay out of the run.
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    # Never write __pycache__ into the tree (it would show up in git status): cache it in
-    # megaport's home instead, unless bytecode writing is off anyway.
-    if not env.get("PYTHONDONTWRITEBYTECODE") and not env.get("PYTHONPYCACHEPREFIX"):
-        from megaport.store import default_home
-
-        env["PYTHONPYCACHEPREFIX"] = str(default_home() / "pycache")
-    return env
 
 
 def pytest_command(python: str, tree: Path, kind: str, rows: str, series: str, results: Path,
@@ -273,25 +204,30 @@ def report(console, document: dict, state: PortState) -> None:
         lib_text = f", {lib[0]} {lib[1] or ''}".rstrip() if lib else ""
         table.add_row(f"2-rank run ({variant})", f"{info.get('requested')} → {info.get('initialised')}{lib_text}")
     training = device.get("training") or {}
-    if training:
-        table.add_row("training path", escape(f"{training.get('layer_spec')}; {training.get('ddp')}; "
-                                              f"{training.get('optimizer')}"))
-        for line in training.get("log") or []:
-            table.add_row("port log", escape(line.removeprefix("> ROCm port: ")))
+    if training.get("entry_point") == "pretrain_gpt.py":
+        losses = device.get("training_losses") or []
+        table.add_row("training", escape(f"the tree's pretrain_gpt.py: {training['ms_per_iter']:.1f} ms/iter, "
+                                         f"{training['tokens_per_s']:.0f} tokens/s; loss {losses[0]} → {losses[-1]} "
+                                         f"over {len(losses)} logged iterations; {training['data']}"
+                                         if losses else "the tree's pretrain_gpt.py"))
+        for note in training.get("notes") or []:
+            table.add_row("training flags", escape(note))
+        table.add_row("training command", escape(training["command"]))
+    elif training:
+        table.add_row("training path", escape(f"megaport's harness on upstream's builders: {training.get('layer_spec')}; "
+                                              f"{training.get('ddp')}; {training.get('optimizer')}"))
+    for line in training.get("port_log") or training.get("log") or []:
+        table.add_row("port log", escape(line.removeprefix("> ROCm port: ")))
     subs = device.get("training_cpu_substitutions")
     if subs:
-        table.add_row("training on CPU", "; ".join(subs))
+        table.add_row("training on CPU", escape("; ".join(subs)))
     parity = device.get("loss_parity")
     if parity:
-        table.add_row("loss vs upstream", f"max {parity['max_relative_difference']:.2e} relative over "
-                                          f"{parity['steps']} steps, same seed and batches; against "
-                                          f"{escape(parity.get('against', 'upstream, fusions off'))}")
-    pretrain = device.get("pretrain_gpt")
-    if pretrain:
-        table.add_row("pretrain_gpt.py", escape(f"{pretrain['ms_per_iter']:.1f} ms/iter, {pretrain['tokens_per_s']:.0f} "
-                                                f"tokens/s; loss {pretrain['losses'][0]} → {pretrain['losses'][-1]}; "
-                                                f"{pretrain['data']}"))
-        table.add_row("pretrain command", escape(pretrain["command"]))
+        shims = parity.get("baseline_shims") or []
+        table.add_row("loss vs upstream", escape(
+            f"max {parity['max_relative_difference']:.2e} relative over {len(parity['iterations'])} iterations, "
+            f"same seed, data and flags; against {parity.get('against', 'unported upstream, fusions off')}"
+            + (f"; baseline shims: {'; '.join(shims)}" if shims else "")))
     not_run = device.get("gpu_only_not_run")
     if not_run:
         table.add_row("GPU-only cases", f"{len(not_run)} not run on CPU (deselected)")

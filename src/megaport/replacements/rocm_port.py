@@ -958,6 +958,8 @@ def _apex_optimizer(base):
                 raise ValueError("adam_w_mode=False (L2 Adam) is not supported by the ROCm port; use AdamW")
             for key in self._APEX_ONLY:
                 kwargs.pop(key, None)
+            if len(args) < 4:  # apex's default is no weight decay; torch's AdamW has 0.01
+                kwargs.setdefault("weight_decay", 0.0)
             params = list(params)
             if "fused" not in kwargs and "foreach" not in kwargs and _fused_supported(params):
                 kwargs["fused"] = True

@@ -20,10 +20,10 @@ own modules here are the harness only (references, guard, reporting). Files:
   weight-gradient accumulation against plain PyTorch.
 - ``test_distributed.py``: two ranks through torch's elastic launcher, the tree's backend
   resolution, exact collectives, tensor-parallel layers at TP=2 against the unsharded layer.
-- ``test_training.py``: a few steps of a tiny GPT from the tree through upstream's parser and
-  builders; the loss must fall and match upstream with its fusions off.
-- ``test_pretrain.py`` (GPU only): ``torchrun pretrain_gpt.py`` with the era's example flags,
-  shrunk; the loss upstream logs must fall, and ms/iter is reported.
+- ``test_training.py``: the tree's own ``pretrain_gpt.py`` under torchrun with the era's example
+  flags, shrunk (on the CPU with the substitutions of megaport.train.cpu); the loss upstream logs
+  must fall and match the unported upstream commit with its fusions off. Trees without the
+  script (PyPI's megatron-core) train through upstream's builders in-process instead.
 """
 
 from pathlib import Path

@@ -12,7 +12,8 @@ import contextlib
 
 import pytest
 
-from megaport.smoke import _gpt, _tree
+from megaport.smoke import _tree
+from megaport.train import harness
 
 torch = pytest.importorskip("torch")
 
@@ -120,7 +121,7 @@ def call_or_skip_cuda_only(smoke, fn, *args):
     placement = contextlib.nullcontext()
     if not smoke.gpu:
         substitutions = smoke.facts.setdefault("grad_helpers_cpu_substitutions", [])
-        placement = _gpt.cpu_device_placement(torch, substitutions)
+        placement = harness.cpu_device_placement(torch, substitutions)
     try:
         with placement:
             return fn(*args)

@@ -191,27 +191,31 @@ def with_shims(env: dict, folder: str, shims: list) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def run_unported(run, sha: str, *, attempts: int = 5) -> tuple[dict, list]:
-    """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
-    given (its mode, sizes and dropout): (the result, the shims it needed). A shim is added only
-    after a run failed for its reason; any other failure is raised as it is."""
-    import dataclasses
-
-    from megaport.train.pretrain import run_pretrain
-
+def with_fewest_shims(start, env: dict, *, attempts: int = 5) -> tuple:
+    """``start(env)`` on an unported upstream, retried with one more shim each time it fails for a
+    shim's reason: (its result, the shims it needed). Any other failure is raised as it is."""
     shims: list = []
-    with unported_upstream(run.tree, sha) as (folder, env), \
-            tempfile.TemporaryDirectory(prefix="megaport-shims-") as shim_dir:
-        upstream = dataclasses.replace(run, tree=folder)
+    with tempfile.TemporaryDirectory(prefix="megaport-shims-") as shim_dir:
         for _ in range(attempts):
             try:
-                result = run_pretrain(upstream, with_shims(env, shim_dir, shims) if shims else env)
+                return start(with_shims(env, shim_dir, shims) if shims else env), shims
             except RuntimeError as exc:
                 needed = shim_for(str(exc), shims)
                 if needed is None:
                     raise
                 shims.append(needed)
-                continue
-            result["baseline_shims"] = [SHIMS[s] for s in shims]
-            return result, shims
     raise RuntimeError(f"the unported upstream did not start even with the shims {shims}")
+
+
+def run_unported(run, sha: str) -> tuple[dict, list]:
+    """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
+    given (its mode, sizes and dropout): (the result, the shims it needed, listed in the result)."""
+    import dataclasses
+
+    from megaport.train.pretrain import run_pretrain
+
+    with unported_upstream(run.tree, sha) as (folder, env):
+        upstream = dataclasses.replace(run, tree=folder)
+        result, shims = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env)
+    result["baseline_shims"] = [SHIMS[s] for s in shims]
+    return result, shims

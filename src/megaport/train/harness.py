@@ -1,17 +1,18 @@
-"""A few training steps of a small GPT through upstream's own megatron.core builders.
+"""For trees without ``pretrain_gpt.py``: a few training steps through upstream's megatron.core builders.
 
-One harness for three users: the training smoke test (the loss must fall), the loss-parity test
-(the ported tree against the unported upstream tree with its fusions turned off, same seed and
-batches) and ``megaport bench --train`` (ms/iter, tokens/s, peak memory, side by side). It runs in
-a fresh interpreter with the tree first on sys.path, so two trees never share a process:
+A tree made from PyPI's ``megatron-core`` (what CI can download) has no ``pretrain_gpt.py`` and,
+before 0.17, no ``megatron/training``. Every tree that has the script trains through it
+(:mod:`megaport.train.pretrain`); this harness serves the others, for the training smoke test, the
+loss-parity test and ``megaport bench --train``. It runs in a fresh interpreter with the tree first
+on sys.path, so two trees never share a process:
 
-    python -m megaport.smoke._gpt --tree DIR --mode ported|fusions-off [--device cpu|cuda] ...
+    python -m megaport.train.harness --tree DIR --mode ported|fusions-off [--device cpu|cuda] ...
 
 and prints one JSON document on its last line of stdout.
 
 What it builds is what upstream's training builds from megatron.core. Where the tree has
 megatron/training, upstream's own ``parse_args`` and ``validate_args`` run on the flags of the
-GPT-3 example script (shrunk in size only, mock data and the NullTokenizer; see megaport.smoke._example) and
+GPT-3 example script (shrunk, mock data and the NullTokenizer; see megaport.train.example) and
 ``core_transformer_config_from_args`` builds the TransformerConfig; elsewhere a TransformerConfig
 with upstream's CLI defaults is built here. Then the GPT layer spec of the era's default
 ``--transformer-impl`` (TransformerEngine's, which the port serves with local layers; the local one
@@ -26,10 +27,12 @@ Modes:
   --no-gradient-accumulation-fusion --no-persist-layer-norm --no-bias-gelu-fusion
   --no-bias-dropout-fusion --no-rope-fusion`` with the local transformer implementation.
 
-On CPU, upstream's CUDA-only plumbing gets the smallest substitutions, each reported under
-``substitutions``: tensors it places on 'cuda' go to the CPU (cpu_device_placement), the global
-memory buffer allocates on the CPU and the CUDA RNG tracker's fork() is a no-op (dropout is 0, so
-no random numbers are drawn in it). No code the port changed is substituted.
+The harness sets its own learning rate, seed and dropout 0 (it is not upstream's entry point, and
+its loss must fall within a dozen steps). On CPU, upstream's CUDA-only plumbing gets the smallest
+substitutions, each reported under ``substitutions``: tensors it places on 'cuda' go to the CPU
+(the placement mode of :mod:`megaport.train.cpu`), the global memory buffer allocates on the CPU
+and the CUDA RNG tracker's fork() is a no-op (dropout is 0, so no random numbers are drawn in it).
+No code the port changed is substituted.
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ import resource
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
-from megaport.smoke import _example as example
+from megaport.train import example
+from megaport.train.baseline import SHIMS, unported_upstream, with_fewest_shims
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -128,49 +131,26 @@ def cpu_plumbing(parallel_state, tensor_parallel, torch, substitutions: list):
 
 @contextlib.contextmanager
 def cpu_device_placement(torch, substitutions: list):
-    """Upstream's ``device=torch.cuda.current_device()`` / ``'cuda'`` allocations land on the CPU.
+    """Upstream's ``device=torch.cuda.current_device()`` / ``'cuda'`` allocations land on the CPU:
+    the placement mode of :mod:`megaport.train.cpu`; ``torch.cuda.current_device()`` answers
+    ``"cpu"`` (upstream passes it as a ``device=``, also from backward passes, where no function
+    mode is active). Only placement changes: every computation is the tree's."""
+    from megaport.train.cpu import placement_mode
 
-    A TorchFunctionMode rewrites the ``device`` argument of tensor factories and ``.to()``/
-    ``.cuda()`` calls; ``torch.cuda.current_device()`` answers ``"cpu"`` (upstream passes it as a
-    ``device=``, also from backward passes, where no function mode is active). Only placement
-    changes: every computation is the tree's.
-    """
-    from torch.overrides import TorchFunctionMode
-
-    def on_gpu(value) -> bool:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if isinstance(value, str):
-            return value.startswith("cuda")
-        return isinstance(value, torch.device) and value.type == "cuda"
-
-    class ToCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if func is torch.Tensor.cuda:
-                return args[0]
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                # Upstream's type checks ask for 'torch.cuda.BFloat16Tensor' and the like.
-                return func(*args).replace("torch.", "torch.cuda.", 1)
-            if on_gpu(kwargs.get("device")):
-                kwargs["device"] = "cpu"
-            if func is torch.Tensor.to and len(args) > 1 and on_gpu(args[1]):
-                args = (args[0], "cpu") + tuple(args[2:])
-            return func(*args, **kwargs)
-
-    saved = torch.cuda.current_device, torch.cuda.current_stream
+    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     note = ("tensors upstream places on 'cuda' are placed on the CPU (torch.cuda.current_device() "
             "answers 'cpu', current_stream() the CPU stream), and Tensor.type() names them "
             "torch.cuda.* for upstream's type checks")
     if note not in substitutions:
         substitutions.append(note)
     try:
-        with ToCpu():
+        with placement_mode(torch):
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.current_stream = saved
+        torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda = saved
 
 
 def upstream_args(run: Run, facts: dict):
@@ -185,7 +165,10 @@ def upstream_args(run: Run, facts: dict):
     if not hasattr(arguments, "core_transformer_config_from_args"):
         return None
     tokens, source = example.example_flags(run.tree)
-    flags = example.shrunk(tokens, run, data=example.mock_data(run))
+    sizes = example.Sizes(layers=run.layers, hidden=run.hidden, heads=run.heads, seq=run.seq, batch=run.batch,
+                          steps=run.steps, vocab=run.vocab)
+    flags = example.shrunk(tokens, sizes, data=example.mock_data(sizes))
+    flags += ["--lr", str(run.lr), "--seed", str(run.seed), "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
     flags += example.FUSIONS_OFF_FLAGS if run.mode == "fusions-off" else []
     saved = sys.argv
     sys.argv = ["pretrain_gpt.py"] + flags
@@ -470,9 +453,8 @@ if __name__ == "__main__":
 def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float = 900, **sizes) -> dict:
     """Run the harness on ``tree`` in a fresh interpreter: its JSON document, or a RuntimeError
     with the tail of its output."""
-    import subprocess
 
-    command = [sys.executable, "-m", "megaport.smoke._gpt", "--tree", str(tree), "--mode", mode]
+    command = [sys.executable, "-m", "megaport.train.harness", "--tree", str(tree), "--mode", mode]
     for name, value in sizes.items():
         command += [f"--{name.replace('_', '-')}", str(value)]
     env = dict(os.environ if env is None else env)
@@ -488,33 +470,11 @@ def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float =
     return document
 
 
-@contextlib.contextmanager
-def exported_upstream(tree, sha: str):
-    """The unported upstream commit of a ported tree (its megatron/ folder and top-level scripts),
-    in a temporary folder written from the tree's own git objects: nothing in the tree changes.
-    Yields the folder and an environment without the tree's PYTHONPATH, to run it as a user
-    without megaport would."""
-    archive = subprocess.run(["git", "-C", str(tree), "archive", "--format=tar", sha],
-                             capture_output=True, check=True).stdout
-    with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as upstream:
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(upstream, filter="data")
-        yield upstream, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-
-def upstream_baseline(tree, sha: str, ported_env: dict, **sizes) -> tuple[dict, str]:
-    """Upstream with its fusions off, on the same sizes: (its run, what it was).
-
+def upstream_baseline(tree, sha: str, **sizes) -> tuple[dict, list]:
+    """Upstream with its fusions off, on the same sizes: (its run, the baseline shims it needed).
     The unported commit is exported next to the tree and run as a ROCm user without megaport
-    would. Where that commit cannot even import without TransformerEngine (2023-07 to 2024-06),
-    upstream's unfused code paths in the ported tree stand in for it, and the label says so.
-    """
-    with exported_upstream(tree, sha) as (upstream, env):
-        try:
-            return run_in_subprocess(upstream, "fusions-off", env=env, **sizes), "unported upstream, fusions off"
-        except RuntimeError as exc:
-            if "No module named 'transformer_engine'" not in str(exc):
-                raise
-    document = run_in_subprocess(tree, "fusions-off", env=ported_env, **sizes)
-    return document, ("upstream's unfused code paths in the ported tree (unported upstream imports "
-                      "TransformerEngine unguarded in this era and cannot run without it)")
+    would (see :mod:`megaport.train.baseline` for the shims)."""
+    with unported_upstream(tree, sha) as (upstream, env):
+        document, shims = with_fewest_shims(
+            lambda shimmed: run_in_subprocess(upstream, "fusions-off", env=shimmed, **sizes), env)
+    return document, [SHIMS[s] for s in shims]

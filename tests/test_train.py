@@ -1,0 +1,318 @@
+"""The training runner (megaport.train) on the CPU: the example flags read from each shape of
+upstream's scripts and shrunk, the tiny indexed dataset read back by upstream's own reader,
+upstream's log format, the torchrun launch with the CPU substitutions, and the loss-parity
+baseline's shims (with stand-in pretrain_gpt.py scripts; the real trees are run by
+test_train_fullclone.py and by verify's smoke suite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megaport.train import baseline, data, example, log, pretrain
+# The three shapes upstream's example scripts have had (abridged): arrays (2024 on), quoted
+# strings (2022-2023), one command line (2020-2021).
+ARRAYS = """#!/bin/bash
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+CHECKPOINT_PATH=$1 #<Specify path>
+DISTRIBUTED_ARGS=(
+    --nproc_per_node $GPUS_PER_NODE
+    --master_port $MASTER_PORT
+)
+GPT_MODEL_ARGS=(
+    --num-layers 96
+    --hidden-size 12288
+    --seq-length 2048
+)
+TRAINING_ARGS=(
+    --micro-batch-size 1
+    --rampup-batch-size 16 16 5859375
+    --fp16
+    --lr 6.0e-5
+)
+DATA_ARGS=(
+    --data-path $DATA_PATH
+    --split 949,50,1
+)
+torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DATA_ARGS[@]}
+"""
+STRINGS = """#!/bin/bash
+GPT_ARGS="
+    --num-layers 24 \\
+    --hidden-size 1024 \\
+    --lr 0.00015 \\
+    --fp16
+"
+DATA_ARGS="
+    --data-path $DATA_PATH \\
+    --vocab-file $VOCAB_FILE \\
+    --split 949,50,1
+"
+torchrun $DISTRIBUTED_ARGS pretrain_gpt.py \\
+    $GPT_ARGS \\
+    $DATA_ARGS \\
+    --save $CHECKPOINT_PATH
+"""
+COMMAND_LINE = """#! /bin/bash
+# Runs the "345M" parameter model
+RANK=0
+DATA_PATH=<Specify path and file prefix>_text_sentence
+python pretrain_gpt.py \\
+       --num-layers 24 \\
+       --hidden-size 1024 \\
+       --data-path $DATA_PATH \\
+       --vocab-file gpt2-vocab.json \\
+       --DDP-impl local \\
+       --checkpoint-activations \\
+       --fp16
+"""
+
+
+SCHEDULE = """#!/bin/bash
+TRAINING_ARGS=(
+    --micro-batch-size 1
+    --global-batch-size 1536
+    --step-batch-size-schedule "0:16 2.4B:320 12B:1536"  # ramp-up by samples
+    --lr 6.0e-5
+)
+"""
+ONE_LINE_STRING = 'GPT_ARGS="--num-layers 24 --hidden-size 1024 --fp16"\n'
+
+
+@pytest.mark.parametrize("text,flags", [
+    (ARRAYS, ["--num-layers", "96", "--hidden-size", "12288", "--seq-length", "2048", "--micro-batch-size", "1",
+              "--rampup-batch-size", "16", "16", "5859375", "--fp16", "--lr", "6.0e-5", "--split", "949,50,1"]),
+    (STRINGS, ["--num-layers", "24", "--hidden-size", "1024", "--lr", "0.00015", "--fp16", "--split", "949,50,1"]),
+    (COMMAND_LINE, ["--num-layers", "24", "--hidden-size", "1024", "--vocab-file", "gpt2-vocab.json",
+                    "--DDP-impl", "local", "--checkpoint-activations", "--fp16"]),
+    (SCHEDULE, ["--micro-batch-size", "1", "--global-batch-size", "1536", "--step-batch-size-schedule",
+                "0:16 2.4B:320 12B:1536", "--lr", "6.0e-5"]),
+    (ONE_LINE_STRING, ["--num-layers", "24", "--hidden-size", "1024", "--fp16"]),
+], ids=["arrays", "strings", "command-line", "quoted-value", "one-line-string"])
+def test_example_flags_are_read_from_every_script_shape(text, flags):
+    assert example.script_flags(text) == flags
+
+
+def test_shrinking_changes_sizes_iterations_and_io_only():
+    sizes = example.Sizes(layers=2, hidden=64, heads=4, seq=128, batch=2, steps=5)
+    flags = example.shrunk(example.script_flags(ARRAYS), sizes, data=["--mock-data"])
+    assert flags[:6] == ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "128"]
+    assert "--fp16" in flags and "--rampup-batch-size" not in flags and "--data-path" not in flags
+    assert flags[flags.index("--lr") + 1] == "6.0e-5"  # the example's learning rate, not ours
+    assert flags.count("--split") == 0 and "--mock-data" in flags and "--seed" not in flags
+
+
+def test_a_step_schedule_is_shrunk_and_kept_without_the_global_batch_it_excludes():
+    notes: list = []
+    flags = example.shrunk(example.script_flags(SCHEDULE), example.Sizes(batch=2), data=[], notes=notes)
+    assert flags[flags.index("--step-batch-size-schedule") + 1] == "0:2"
+    assert "--global-batch-size" not in flags and any("refuses both" in n for n in notes)
+
+
+def test_a_flag_upstream_renamed_takes_the_name_the_eras_parser_knows(tmp_path):
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron/arguments.py").write_text("group.add_argument('--recompute-method', type=str)\n")
+    notes: list = []
+    flags = example.shrunk(["--activations-checkpoint-method", "uniform", "--fp16"], example.Sizes(), data=[],
+                           tree=str(tmp_path), notes=notes)
+    assert flags == ["--recompute-method", "uniform", "--fp16"] and "renamed" in notes[0]
+
+
+def test_fusions_off_flags_are_those_the_eras_parser_has(tmp_path):
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron/arguments.py").write_text(
+        "add('--no-masked-softmax-fusion'); add('--no-bias-gelu-fusion'); add('--transformer-impl')\n")
+    assert example.fusions_off_flags(str(tmp_path)) == ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                                                         "--transformer-impl", "local"]
+
+
+def test_the_tiny_dataset_reads_back_through_upstreams_reader(core_upstream, tmp_path):
+    docs = data.learnable_documents(12, 40, 257, seed=3)
+    prefix = str(tmp_path / "tiny_text_document")
+    data.write_indexed_dataset(prefix, docs)
+    for version in ("0.5.0", "0.16.1"):
+        tree = tmp_path / version
+        tree.mkdir()
+        archive = subprocess.run(["git", "archive", f"core_v{version}", "megatron/core"], cwd=core_upstream,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        code = (f"import sys, json; sys.path.insert(0, {str(tree)!r})\n"
+                "from megatron.core.datasets import indexed_dataset as m\n"
+                "reader = getattr(m, 'IndexedDataset', None) or m.MMapIndexedDataset  # the name before 0.6\n"
+                f"ds = reader({prefix!r})\n"
+                "docs = getattr(ds, 'document_indices', None)\n"
+                "docs = ds.doc_idx if docs is None else docs\n"
+                "print(json.dumps([len(ds), [ds[i].tolist() for i in range(len(ds))], docs.tolist()]))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        count, read, documents = json.loads(proc.stdout.splitlines()[-1])
+        assert count == 12 and read == docs and documents == list(range(13)), version
+        assert all(doc[-1] == 256 for doc in read)  # each document ends with the end-of-document id
+
+
+def test_the_vocabulary_covers_every_byte_and_the_end_of_document_token(tmp_path):
+    vocab_file, merges_file = data.write_gpt2_vocabulary(str(tmp_path))
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    assert len(vocab) == 257 and vocab[data.EOD] == 256
+    assert sorted(vocab.values()) == list(range(257))
+    assert vocab["A"] == ord("A") - ord("!") and chr(256) in vocab  # printable bytes as themselves
+    assert Path(merges_file).read_text() == "#version: 0.2\n"
+
+
+LOG = """\
+ [2025-01-01 00:00:01] iteration        1/      30 | consumed samples:            2 | elapsed time per iteration (ms): 900.5 | learning rate: 1.000000E-03 | global batch size:     2 | loss scale: 4294967296.0 | number of skipped iterations:   1 | number of nan iterations:   0 |
+ [2025-01-01 00:00:02] iteration        2/      30 | consumed samples:            4 | elapsed time per iteration (ms): 41.2 | learning rate: 1.000000E-03 | global batch size:     2 | lm loss: 5.612345E+00 | loss scale: 2147483648.0 | grad norm: 3.210 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ iteration        3/      30 | consumed samples:            6 | elapsed time per iteration (ms): 40.8 | learning rate: 1.000000E-03 | global batch size:     2 | lm loss: 5.101000E+00 | loss scale: 2147483648.0 |
+"""
+
+
+def test_upstreams_log_lines_give_loss_and_time_per_iteration():
+    found = log.parse_log(LOG + "unrelated line with iteration 9\n")
+    assert [(i.iteration, i.loss, i.ms) for i in found] == [(2, 5.612345, 41.2), (3, 5.101, 40.8)]
+
+
+def fake_tree(tmp_path: Path, exit_code: int = 0) -> Path:
+    """A tree whose pretrain_gpt.py prints upstream's log lines for the iterations it is asked
+    for, with a falling loss, after checking it got the flags a user's run would give it and
+    touching the CUDA plumbing upstream's loop touches (which the CPU substitutions must serve)."""
+    tree = tmp_path / "tree"
+    (tree / "megatron/training").mkdir(parents=True)
+    (tree / "megatron/training/arguments.py").write_text(
+        "group.add_argument('--mock-data', action='store_true'); add('--no-masked-softmax-fusion')\n")
+    (tree / "pretrain_gpt.py").write_text(f"""
+import os, sys
+import torch
+args = sys.argv[1:]
+assert os.environ["LOCAL_RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"  # started by torchrun
+assert "--mock-data" in args and "--fp16" in args, args
+assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+torch.cuda.set_device(0)
+torch.distributed.init_process_group(backend="nccl")
+x = torch.ones(4, device=torch.cuda.current_device()).cuda() + torch.cuda.FloatTensor([1.0]).to("cuda")
+torch.distributed.all_reduce(x)
+torch.cuda.manual_seed(7)
+state = torch.cuda.get_rng_state()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record(); torch.cuda.synchronize(); end.record()
+assert start.elapsed_time(end) >= 0 and x.type() == "torch.cuda.FloatTensor" and x.tolist() == [2.0] * 4
+steps = int(args[args.index("--train-iters") + 1])
+for it in range(1, steps + 1):
+    print(f" iteration {{it:8d}}/{{steps:8d}} | elapsed time per iteration (ms): {{100 + it}}.0 | lm loss: {{10.0 / it:E}} |")
+if {exit_code}:
+    print("RuntimeError: the rank's own reason", file=sys.stderr)
+sys.exit({exit_code})
+""")
+    return tree
+
+
+def test_run_pretrain_launches_torchrun_with_the_cpu_substitutions_and_reads_the_log(tmp_path):
+    tree = fake_tree(tmp_path)
+    run = pretrain.Run(tree=str(tree), sizes=example.Sizes(steps=8), warmup=2)
+    result = pretrain.run_pretrain(run)
+    assert result["iterations"] == list(range(1, 9)) and result["losses"][-1] == pytest.approx(10 / 8)
+    assert result["ms_per_iter"] == 105.5  # median of iterations 3..8
+    assert "torch.distributed.run" in result["command"] and "megaport.train.launch --cpu pretrain_gpt.py" in result["command"]
+    assert result["data"] == "mock data, NullTokenizer"
+    assert any(s.startswith("process group") for s in result["substitutions"])
+    assert result["peak_memory_kind"] == "process max RSS" and result["peak_memory_bytes"] > 2**20
+
+
+def test_a_failing_run_says_why(tmp_path):
+    tree = fake_tree(tmp_path, exit_code=3)
+    with pytest.raises(RuntimeError, match=r"failed \(exit code 3\) after 4 logged iterations") as failure:
+        pretrain.run_pretrain(pretrain.Run(tree=str(tree), sizes=example.Sizes(steps=4)))
+    assert "lm loss" in str(failure.value) and "ChildFailedError" not in str(failure.value)
+
+
+def test_eras_without_mock_data_get_files_the_command_names(tmp_path):
+    tree = tmp_path / "old"
+    (tree / "megatron").mkdir(parents=True)
+    (tree / "megatron/arguments.py").write_text("group.add_argument('--data-path', nargs='*')\n")
+    (tree / "examples").mkdir()
+    (tree / "examples/pretrain_gpt.sh").write_text(COMMAND_LINE)
+    run = pretrain.Run(tree=str(tree), sizes=example.Sizes(steps=4, seq=32, batch=2))
+    cmd = pretrain.command(run, str(tmp_path))
+    argv = cmd.argv
+    assert argv[argv.index("--tokenizer-type") + 1] == "GPT2BPETokenizer" and "--mock-data" not in argv
+    assert Path(argv[argv.index("--data-path") + 1] + ".idx").is_file()
+    assert argv[argv.index("--vocab-file") + 1] == str(tmp_path / "vocab.json")  # ours, not the script's
+    assert "--DDP-impl" in argv and "--checkpoint-activations" in argv  # the era's feature flags stay
+
+
+def _commit(tree: Path) -> str:
+    for args in (["init", "--quiet"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "up"]):
+        subprocess.run(["git", *args], cwd=tree, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+
+
+def test_bench_train_runs_both_sides_through_pretrain_gpt(tmp_path):
+    """bench --train: the ported tree as it is, and its upstream commit exported next to it with the
+    fusions off, each through pretrain_gpt.py under torchrun; the tree is left as it was."""
+    from megaport.commands import bench_train
+
+    tree = fake_tree(tmp_path)
+    sha = _commit(tree)
+    sizes = dict(layers=1, hidden=64, heads=4, seq=32, batch=2, steps=6, warmup=1, vocab=128)
+    ported = bench_train._pretrain_side(tree, sha, "ported", {}, sizes, "cpu")
+    upstream = bench_train._pretrain_side(tree, sha, "upstream", {}, sizes, "cpu")
+    assert ported["losses"] == upstream["losses"] and len(ported["losses"]) == 6
+    assert upstream["baseline_shims"] == [] and "unported" in upstream["what"]
+    assert "--no-masked-softmax-fusion" in upstream["command"] and "--no-masked-softmax-fusion" not in ported["command"]
+    assert bench_train._entry("auto", tree) == "pretrain" and bench_train._entry("auto", tmp_path) == "harness"
+    with pytest.raises(Exception, match="has no pretrain_gpt.py"):
+        bench_train._entry("pretrain", tmp_path)
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=tree, capture_output=True, text=True).stdout == ""
+
+
+def test_print_command_needs_a_megatron_lm_tree(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        pretrain.main(["--tree", str(tmp_path), "--print-command"])
+    assert stopped.value.code == 2 and "has no pretrain_gpt.py" in capsys.readouterr().err
+    tree = fake_tree(tmp_path)
+    assert pretrain.main(["--tree", str(tree), "--device", "cpu", "--print-command", "--workdir", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    assert "PYTHONPATH=" in out and "launch --cpu pretrain_gpt.py --num-layers 2" in out
+
+
+@pytest.mark.parametrize("failure,shim", [
+    ("ModuleNotFoundError: No module named 'transformer_engine'", "transformer-engine"),
+    ("AttributeError: module 'numpy' has no attribute 'float'.", "stack"),
+    ("ModuleNotFoundError: No module named 'torch._six'", "stack"),
+    ("ModuleNotFoundError: No module named 'amp_C'", "apex"),
+    ("ModuleNotFoundError: No module named 'apex'", "apex"),
+    ("TypeError: expected str, bytes or os.PathLike object, not NoneType (cpp_extension.CUDA_HOME)", "fused-kernel-build"),
+    ("AssertionError: loss is nan", None),
+])
+def test_a_baseline_shim_is_added_only_for_its_own_failure(failure, shim):
+    assert baseline.shim_for(failure, []) == shim
+    if shim:
+        assert baseline.shim_for(failure, [shim]) is None  # never twice
+
+
+def test_baseline_shims_serve_what_unported_old_upstream_imports(tmp_path):
+    env = baseline.with_shims({"PATH": "/usr/bin:/bin"}, str(tmp_path), ["stack", "apex", "transformer-engine"])
+    code = """
+import numpy as np, torch
+from torch._six import inf
+from apex.optimizers import FusedAdam
+from apex.multi_tensor_apply import multi_tensor_applier
+import amp_C, fused_mix_prec_layer_norm_cuda
+import transformer_engine as te
+class Norm(te.pytorch.LayerNorm):
+    pass
+try:
+    Norm(8)
+except ImportError as exc:
+    stub = str(exc)
+p = torch.nn.Parameter(torch.ones(3))
+p.grad = torch.ones(3)
+FusedAdam([p], lr=0.1).step()
+print(np.float is float, inf == float("inf"), "stub" in stub, torch.allclose(p, torch.full((3,), 0.9)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True"] * 4
