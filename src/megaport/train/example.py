@@ -101,14 +101,31 @@ def script_flags(text: str) -> list:
 
 
 def parser_has(tree: str, flag: str) -> bool:
-    """True when the tree's argument parser defines ``flag``."""
-    for rel in ARGUMENT_FILES:
-        path = os.path.join(tree, rel)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            return f"'{flag}'" in text or f'"{flag}"' in text
-    return False
+    """True when the tree's argument parser defines ``flag``: written out in its argument file, or
+    (from core 0.16, whose parser also makes flags from config dataclass fields) in the help of the
+    tree's own parser."""
+    text = parser_text(tree)
+    if f"'{flag}'" in text or f'"{flag}"' in text:
+        return True
+    generated = os.path.isfile(os.path.join(tree, "megatron/training/argument_utils.py"))
+    return generated and flag in parser_help_flags(tree)
+
+
+_HELP_CACHE: dict = {}
+
+
+def parser_help_flags(tree: str) -> frozenset:
+    """Every option of the tree's own parser, from ``pretrain_gpt.py --help`` (run once per tree,
+    with the CPU substitutions: the parser is built after the imports)."""
+    import subprocess
+    import sys
+
+    if tree not in _HELP_CACHE:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--cpu", "pretrain_gpt.py", "--help"],
+                              cwd=tree, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        _HELP_CACHE[tree] = frozenset(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", proc.stdout))
+    return _HELP_CACHE[tree]
 
 
 def parser_text(tree: str) -> str:
