@@ -63,18 +63,13 @@ FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion"
 
 
 @dataclasses.dataclass
-class Run:
+class Run(example.Sizes):
     """Sizes and schedule of one run; the defaults are a tiny model that trains in seconds on CPU."""
 
-    tree: str
+    tree: str = ""
     mode: str = "ported"
     device: str = "cpu"
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    seq: int = 64
     batch: int = 4
-    vocab: int = 128
     steps: int = 12
     warmup: int = 2
     lr: float = 1e-3
@@ -165,9 +160,7 @@ def upstream_args(run: Run, facts: dict):
     if not hasattr(arguments, "core_transformer_config_from_args"):
         return None
     tokens, source = example.example_flags(run.tree)
-    sizes = example.Sizes(layers=run.layers, hidden=run.hidden, heads=run.heads, seq=run.seq, batch=run.batch,
-                          steps=run.steps, vocab=run.vocab)
-    flags = example.shrunk(tokens, sizes, data=example.mock_data(sizes))
+    flags = example.shrunk(tokens, run, data=example.mock_data(run))
     flags += ["--lr", str(run.lr), "--seed", str(run.seed), "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
     flags += example.FUSIONS_OFF_FLAGS if run.mode == "fusions-off" else []
     saved = sys.argv
