@@ -280,6 +280,8 @@ def test_print_command_needs_a_megatron_lm_tree(tmp_path, capsys):
 
 @pytest.mark.parametrize("failure,shim", [
     ("ModuleNotFoundError: No module named 'transformer_engine'", "transformer-engine"),
+    ("PackageNotFoundError: No package metadata was found for transformer-engine", "transformer-engine"),
+    ("ValueError: Apex must currently be installed to use megatron core.", "apex"),
     ("AttributeError: module 'numpy' has no attribute 'float'.", "stack"),
     ("ModuleNotFoundError: No module named 'torch._six'", "stack"),
     ("ModuleNotFoundError: No module named 'amp_C'", "apex"),
@@ -302,6 +304,8 @@ from apex.optimizers import FusedAdam
 from apex.multi_tensor_apply import multi_tensor_applier
 import amp_C, fused_mix_prec_layer_norm_cuda
 import transformer_engine as te
+from importlib.metadata import version
+assert version("transformer-engine") == "0.0.0+megaport.stub"
 class Norm(te.pytorch.LayerNorm):
     pass
 try:

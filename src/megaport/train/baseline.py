@@ -38,9 +38,11 @@ SHIMS = {
     "fused-kernel-build": "upstream's nvcc build of its CUDA extensions at start-up skipped",
 }
 _NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
-    (re.compile(r"No module named '(transformer_engine)"), "transformer-engine"),
+    (re.compile(r"No module named '(transformer_engine)|No package metadata was found for transformer.engine"),
+     "transformer-engine"),
     (re.compile(r"No module named '(torch\._six)'|module 'numpy' has no attribute"), "stack"),
-    (re.compile(r"No module named '(apex|amp_C|fused_\w*_cuda|\w*layer_norm_cuda)"), "apex"),
+    (re.compile(r"No module named '(apex|amp_C|fused_\w*_cuda|\w*layer_norm_cuda)|Apex must (currently )?be installed"),
+     "apex"),
     (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
@@ -170,6 +172,11 @@ def write_shims(folder: str, shims: list) -> None:
     startup = ["import importlib.util", "import math", "import sys", "import types", ""]
     if "transformer-engine" in shims:
         _write(folder, "transformer_engine/__init__", _TE_STUB_SOURCE)
+        # Upstream asks importlib.metadata for TE's version at import; the stub claims none.
+        info = os.path.join(folder, "transformer_engine-0.0.0+megaport.stub.dist-info")
+        os.makedirs(info, exist_ok=True)
+        with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
+            f.write("Metadata-Version: 2.1\nName: transformer-engine\nVersion: 0.0.0+megaport.stub\n")
     if "stack" in shims:
         startup += ["import torch", "", _stack_source(port)]
     if "apex" in shims:
