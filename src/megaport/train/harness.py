@@ -71,6 +71,7 @@ class Run(example.Sizes):
     device: str = "cpu"
     batch: int = 4
     steps: int = 12
+    vocab: int = 128  # the harness's own batches
     warmup: int = 2
     lr: float = 1e-3
     seed: int = 1234

@@ -36,7 +36,7 @@ from megaport.train.launch import PEAK
 MODES = ("ported", "fusions-off")
 _PEAK = re.compile(re.escape(PEAK) + r" (\d+) bytes \(([^)]*)\)")
 #: Sizes of a run on a GPU: large enough that the kernels, not the launch overhead, are timed.
-GPU_SIZES = example.Sizes(layers=2, hidden=256, heads=4, seq=512, batch=2, steps=40)
+GPU_SIZES = example.Sizes(layers=2, hidden=256, heads=4, seq=512, batch=2)
 
 
 @dataclass
