@@ -12,7 +12,9 @@ process, as ``torchrun --nproc_per_node 1`` would:
 What is substituted (:data:`SUBSTITUTIONS`, printed once at start as ``> megaport cpu:`` lines):
 
 - process group: ``nccl`` becomes ``gloo``; NCCL-only group options are dropped;
-- device queries: the tree's code sees one device (torch's own code still sees none), ``set_device`` is a no-op, ``current_device()`` answers ``'cpu'``;
+- device queries: the tree's code sees one device (torch's own code still sees none), ``set_device`` is a no-op,
+  ``current_device()`` answers ``'cpu'``, its name is 'CPU', its capability (0, 0) (no architecture features),
+  its memory the host's;
 - device placement: ``device='cuda'``/index arguments, ``.cuda()`` and ``.to('cuda')`` stay on
   the CPU; ``torch.cuda.FloatTensor`` and the other legacy constructors build CPU tensors, and
   ``Tensor.type()`` names them ``torch.cuda.*`` for upstream's type checks;
@@ -33,7 +35,8 @@ import time
 
 SUBSTITUTIONS = (
     "process group: backend nccl -> gloo, NCCL-only group options dropped",
-    "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; current_device() -> 'cpu'",
+    "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; current_device() -> 'cpu'; "
+    "name 'CPU', capability (0, 0), the host's memory",
     "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU",
     "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
     "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
@@ -114,6 +117,16 @@ def _to_the_tree(real, answer):
     return query
 
 
+def _host_properties():
+    """What upstream reads of ``torch.cuda.get_device_properties`` (name, capability, memory, units)."""
+    import os
+    import types
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return types.SimpleNamespace(name="CPU", major=0, minor=0, total_memory=memory,
+                                 multi_processor_count=os.cpu_count() or 1, gcnArchName="")
+
+
 def _process_group(torch) -> None:
     dist = torch.distributed
     init, new_group = dist.init_process_group, dist.new_group
@@ -137,6 +150,10 @@ def _device_queries(torch) -> None:
     cuda = torch.cuda
     cuda.is_available = _to_the_tree(cuda.is_available, lambda: True)
     cuda.device_count = _to_the_tree(cuda.device_count, lambda: 1)
+    cuda.get_device_name = _to_the_tree(cuda.get_device_name, lambda device=None: "CPU")
+    # No architecture features: code that picks kernels by compute capability takes its plainest path.
+    cuda.get_device_capability = _to_the_tree(cuda.get_device_capability, lambda device=None: (0, 0))
+    cuda.get_device_properties = _to_the_tree(cuda.get_device_properties, lambda device=None: _host_properties())
     cuda.set_device = lambda device: None
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda device=None: None
