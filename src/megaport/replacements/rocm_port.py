@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import inspect
 import math
@@ -249,8 +250,52 @@ class _TransformerEngineLayersStandIn(importlib.abc.MetaPathFinder, importlib.ab
                  "(PyTorch), None for its optional helpers, and TE-only layers that raise if built")
 
 
+_GPT_SPECS_MODULE = "megatron.core.models.gpt.gpt_layer_specs"
+# (TE spec, local spec) pairs of upstream's GPT layer specs: builders from core 0.5, module-level
+# specs before.
+_TE_SPEC_PAIRS = (("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec"),
+                  ("gpt_layer_with_transformer_engine_spec", "gpt_layer_local_spec"),
+                  ("gpt_layer_with_transformer_engine_spec_moe", "gpt_layer_local_spec_moe"))
+
+
+def _serve_te_layer_specs(module) -> None:
+    """In the eras whose pretrain_gpt.py builds the TE layer spec whatever --transformer-impl says
+    (``--use-mcore-models``, which the example scripts pass), the TE spec is the local one."""
+    for te_name, local_name in _TE_SPEC_PAIRS:
+        te, local = getattr(module, te_name, None), getattr(module, local_name, None)
+        if te is None or local is None:
+            continue
+        if callable(te) and not isinstance(te, type):
+            setattr(module, te_name, local_spec_without_transformer_engine(te, local))
+        else:
+            setattr(module, te_name, local)
+            say_once("TransformerEngine is not installed: the TransformerEngine GPT layer spec builds "
+                     "Megatron's local PyTorch layers instead (the same model)")
+
+
+class _TransformerEngineSpecsServed(importlib.abc.MetaPathFinder):
+    """After upstream's GPT layer specs module loads, without TransformerEngine, its TE specs give
+    the local layers (see :func:`_serve_te_layer_specs`)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _GPT_SPECS_MODULE or _transformer_engine_installed():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _serve_te_layer_specs(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 if not TRANSFORMER_ENGINE_IMPORTS_GUARDED:
     sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
+    sys.meta_path.insert(1, _TransformerEngineSpecsServed())
 
 
 def switch_off_rope_fusion(config) -> bool:
