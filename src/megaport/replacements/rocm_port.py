@@ -161,6 +161,27 @@ def _torch_six() -> types.ModuleType:
     return six
 
 
+def _restore_distributed_names() -> list:
+    """``torch.distributed.dist_backend`` and ``torch.distributed._backend`` (the default group's
+    backend), which 2021 Megatron's DDP reads and torch 2 no longer has."""
+    dist = torch.distributed
+    if not dist.is_available() or hasattr(dist, "_backend"):
+        return []
+    if not hasattr(dist, "dist_backend"):
+        dist.dist_backend = dist.Backend
+    previous = dist.__dict__.get("__getattr__")
+
+    def __getattr__(name):
+        if name == "_backend":
+            return dist.get_backend() if dist.is_initialized() else "undefined"
+        if previous is not None:
+            return previous(name)
+        raise AttributeError(f"module 'torch.distributed' has no attribute '{name}'")
+
+    dist.__getattr__ = __getattr__
+    return ["torch.distributed.dist_backend", "torch.distributed._backend"]
+
+
 def install_target_stack_compat() -> list:
     """Restore the removed names above where this stack lacks them; the names restored."""
     import builtins
@@ -169,6 +190,7 @@ def install_target_stack_compat() -> list:
     if "torch._six" not in sys.modules and importlib.util.find_spec("torch._six") is None:
         sys.modules["torch._six"] = torch._six = _torch_six()
         restored.append("torch._six")
+    restored += _restore_distributed_names()
     try:
         import numpy
     except ImportError:
@@ -251,16 +273,19 @@ class _TransformerEngineLayersStandIn(importlib.abc.MetaPathFinder, importlib.ab
 
 
 _GPT_SPECS_MODULE = "megatron.core.models.gpt.gpt_layer_specs"
-# (TE spec, local spec) pairs of upstream's GPT layer specs: builders from core 0.5, module-level
-# specs before.
-_TE_SPEC_PAIRS = (("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec"),
+# (TE spec, local spec) pairs of upstream's GPT layer specs: *_submodules builders from 2026,
+# spec builders from core 0.5, module-level specs before. In every era without TransformerEngine
+# (the release series also wrap them in the file; wrapping twice changes nothing).
+_TE_SPEC_PAIRS = (("get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_local_submodules"),
+                  ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec"),
                   ("gpt_layer_with_transformer_engine_spec", "gpt_layer_local_spec"),
                   ("gpt_layer_with_transformer_engine_spec_moe", "gpt_layer_local_spec_moe"))
 
 
 def _serve_te_layer_specs(module) -> None:
-    """In the eras whose pretrain_gpt.py builds the TE layer spec whatever --transformer-impl says
-    (``--use-mcore-models``, which the example scripts pass), the TE spec is the local one."""
+    """Without TransformerEngine the TE layer specs give the local layers: upstream's default
+    ``--transformer-impl transformer_engine`` (and, in 2023-2024, ``--use-mcore-models``, which
+    takes the TE spec whatever --transformer-impl says) then builds the same model in PyTorch."""
     for te_name, local_name in _TE_SPEC_PAIRS:
         te, local = getattr(module, te_name, None), getattr(module, local_name, None)
         if te is None or local is None:
@@ -273,12 +298,49 @@ def _serve_te_layer_specs(module) -> None:
                      "Megatron's local PyTorch layers instead (the same model)")
 
 
-class _TransformerEngineSpecsServed(importlib.abc.MetaPathFinder):
-    """After upstream's GPT layer specs module loads, without TransformerEngine, its TE specs give
-    the local layers (see :func:`_serve_te_layer_specs`)."""
+def _ignore_persist_layer_norm(module) -> None:
+    """torch's LayerNorm wrapper asserts ``not persist_layer_norm``, which upstream turns on by
+    default; without apex there is no persistent kernel, and torch's LayerNorm computes the same
+    values: the flag is ignored, said once."""
+    for name in ("WrappedTorchLayerNorm", "WrappedTorchNorm"):
+        cls = getattr(module, name, None)
+        if cls is None or getattr(cls, "_rocm_port_persist_ignored", False):
+            continue
+        # WrappedTorchLayerNorm checks in __init__; WrappedTorchNorm (2024-10 on) in __new__.
+        method = "__new__" if "__new__" in cls.__dict__ else "__init__"
+        original = cls.__dict__[method]
+        original = original.__func__ if isinstance(original, staticmethod) else original
+
+        @functools.wraps(original)
+        def wrapped(first, config, *args, _original=original, **kwargs):
+            if getattr(config, "persist_layer_norm", False):
+                import copy
+
+                say_once("persist_layer_norm (on by default) needs apex's persistent layer-norm kernel: "
+                         "ignored, torch's LayerNorm computes the same values")
+                config = copy.copy(config)
+                config.persist_layer_norm = False
+            return _original(first, config, *args, **kwargs)
+
+        setattr(cls, method, staticmethod(wrapped) if method == "__new__" else wrapped)
+        cls._rocm_port_persist_ignored = True
+
+
+# What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
+_AFTER_IMPORT = {
+    _GPT_SPECS_MODULE: _serve_te_layer_specs,
+    "megatron.core.transformer.torch_layer_norm": _ignore_persist_layer_norm,
+    "megatron.core.transformer.torch_norm": _ignore_persist_layer_norm,
+}
+
+
+class _ServeDefaultsAfterImport(importlib.abc.MetaPathFinder):
+    """Runs the :data:`_AFTER_IMPORT` step of a module once upstream's own code has loaded it: one
+    mechanism for every era, whatever shape the file has."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _GPT_SPECS_MODULE or _transformer_engine_installed():
+        serve = _AFTER_IMPORT.get(fullname)
+        if serve is None or _transformer_engine_installed():
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -287,7 +349,7 @@ class _TransformerEngineSpecsServed(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            _serve_te_layer_specs(module)
+            serve(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -295,7 +357,7 @@ class _TransformerEngineSpecsServed(importlib.abc.MetaPathFinder):
 
 if not TRANSFORMER_ENGINE_IMPORTS_GUARDED:
     sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
-    sys.meta_path.insert(1, _TransformerEngineSpecsServed())
+sys.meta_path.insert(1, _ServeDefaultsAfterImport())
 
 
 def switch_off_rope_fusion(config) -> bool:
