@@ -102,8 +102,8 @@ def script_flags(text: str) -> list:
 
 def parser_has(tree: str, flag: str) -> bool:
     """True when the tree's argument parser defines ``flag``: written out in its argument file, or
-    (from core 0.16, whose parser also makes flags from config dataclass fields) in the help of the
-    tree's own parser."""
+    (from core 0.16, whose parser also makes flags from config dataclass fields) among the options
+    of the tree's own parser."""
     text = parser_text(tree)
     if f"'{flag}'" in text or f'"{flag}"' in text:
         return True
@@ -115,16 +115,21 @@ _HELP_CACHE: dict = {}
 
 
 def parser_help_flags(tree: str) -> frozenset:
-    """Every option of the tree's own parser, from ``pretrain_gpt.py --help`` (run once per tree,
-    with the CPU substitutions: the parser is built after the imports)."""
+    """Every option of the tree's own parser, as it builds it (run once per tree, with the CPU
+    substitutions: the parser is built after the imports)."""
+    import json
     import subprocess
     import sys
 
+    from megaport.train.launch import OPTIONS
+
     if tree not in _HELP_CACHE:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--cpu", "pretrain_gpt.py", "--help"],
-                              cwd=tree, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        _HELP_CACHE[tree] = frozenset(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", proc.stdout))
+        proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--list-options", "--cpu",
+                               "pretrain_gpt.py"], cwd=tree, env=env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
+        lines = [line[len(OPTIONS):] for line in proc.stdout.splitlines() if line.startswith(OPTIONS)]
+        _HELP_CACHE[tree] = frozenset(json.loads(lines[0]) if lines else ())
     return _HELP_CACHE[tree]
 
 

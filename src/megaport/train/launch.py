@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node 1 ... -m megaport.train.launch [--cpu] pretrain_gpt.py ARGS
 
+``--list-options`` first prints the options of the script's argument parser instead of running it.
+
 With ``--cpu`` the CUDA-only plumbing is substituted first (:mod:`megaport.train.cpu`). When the
 script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on a GPU
 (upstream's own memory report comes after the first iteration, before fp16's skipped steps end
@@ -17,6 +19,21 @@ import runpy
 import sys
 
 PEAK = "> megaport: peak memory"
+OPTIONS = "> megaport: parser options"
+
+
+def _report_options() -> None:
+    """With ``--list-options``: the first argument parser the script parses with prints its option
+    strings on one line and the run stops there (the era's parser, built after the imports;
+    ``--help`` would need every help string to format, which upstream main's does not)."""
+    import argparse
+    import json
+
+    def parse_known_args(self, args=None, namespace=None):
+        print(f"{OPTIONS} {json.dumps(sorted(self._option_string_actions))}", flush=True)
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args
 
 
 def _peak(torch, cpu: bool) -> str:
@@ -27,10 +44,12 @@ def _peak(torch, cpu: bool) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    listing = bool(argv) and argv[0] == "--list-options"
+    argv = argv[1:] if listing else argv
     cpu = bool(argv) and argv[0] == "--cpu"
     argv = argv[1:] if cpu else argv
     if not argv or not argv[0].endswith(".py"):
-        print("usage: python -m megaport.train.launch [--cpu] SCRIPT.py [ARGS...]", file=sys.stderr)
+        print("usage: python -m megaport.train.launch [--list-options] [--cpu] SCRIPT.py [ARGS...]", file=sys.stderr)
         return 2
     import torch
 
@@ -41,6 +60,8 @@ def main(argv=None) -> int:
         placement = substitutions.install(torch)
         for line in substitutions.SUBSTITUTIONS:
             print(f"{substitutions.MARK} {line}", flush=True)
+    if listing:
+        _report_options()
     script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
@@ -50,7 +71,7 @@ def main(argv=None) -> int:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:  # some eras end with sys.exit() after training
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    if code == 0:
+    if code == 0 and not listing:
         print(_peak(torch, cpu), flush=True)
     return code
 
