@@ -9,6 +9,8 @@ _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
 PORT_LINE = "> ROCm port:"
+# The exception a rank died of, as its traceback's last line says it (torchrun prefixes "[rankN]: ").
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b.*)$", re.M)
 
 
 @dataclass
@@ -42,7 +44,9 @@ def failure_message(returncode: int, stdout: str, stderr: str, logged: int, line
     own = stderr[:launcher] if launcher >= 0 else stderr
     tail = "\n".join((stdout.rstrip() + "\n" + own.rstrip()).strip().splitlines()[-lines:])
     status = f"exit code {code.group(1)}" if code else f"exit code {returncode}"
-    return f"pretrain_gpt.py failed ({status}) after {logged} logged iterations:\n{tail}"
+    errors = [m.group(1) for m in _ERROR.finditer(stdout + "\n" + own)]
+    reason = f" {errors[-1][:300]}" if errors else ""
+    return f"pretrain_gpt.py failed ({status}) after {logged} logged iterations:{reason}\n{tail}"
 
 
 def port_lines(text: str) -> list:
