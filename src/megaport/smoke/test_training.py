@@ -95,8 +95,10 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, ported_run):
         pytest.fail(str(exc), pytrace=False)
     parity.update(against="unported upstream, fusions off", baseline_shims=shims)
     smoke.facts["loss_parity"] = parity
-    assert parity["same_iterations"], "the two runs logged losses for different iterations (fp16 skipped other steps)"
-    assert len(parity["iterations"]) >= MIN_LOGGED, f"only {len(parity['iterations'])} iterations to compare"
+    logged = min(len(ported_run["losses"]), len(base["losses"]))
+    assert len(parity["iterations"]) >= max(MIN_LOGGED, 0.9 * logged), (
+        f"only {len(parity['iterations'])} iterations logged by both runs (fp16 skipped others: ported only "
+        f"{parity['only_ported']}, upstream only {parity['only_upstream']})")
     worst = parity["max_relative_difference"]
     assert worst <= PARITY, (f"per-iteration losses differ by up to {worst:.2%} from unported upstream with its "
                              f"fusions off:\n ported   {parity['ported']}\n upstream {parity['upstream']}")

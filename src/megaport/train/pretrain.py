@@ -130,13 +130,15 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
 
 def loss_parity(ported: dict, baseline: dict) -> dict:
     """Per-iteration losses of two runs, compared where both logged one: the iterations compared
-    and the largest relative difference. Both runs must have logged the same iterations (fp16's
-    loss-scale search skips the same ones when the model computes the same)."""
+    and the largest relative difference. fp16's dynamic loss scale skips an iteration whose
+    gradients overflow; fused and unfused arithmetic round differently, so now and then one run
+    skips an iteration the other logs (``only_ported``/``only_upstream`` list them)."""
     mine = dict(zip(ported["iterations"], ported["losses"]))
     theirs = dict(zip(baseline["iterations"], baseline["losses"]))
     common = sorted(set(mine) & set(theirs))
     worst = max((abs(mine[i] - theirs[i]) / abs(theirs[i]) for i in common), default=float("inf"))
     return {"iterations": common, "same_iterations": set(mine) == set(theirs),
+            "only_ported": sorted(set(mine) - set(theirs)), "only_upstream": sorted(set(theirs) - set(mine)),
             "max_relative_difference": worst,
             "ported": [round(mine[i], 5) for i in common], "upstream": [round(theirs[i], 5) for i in common]}
 
