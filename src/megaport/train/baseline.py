@@ -154,9 +154,9 @@ def _write(folder: str, module: str, text: str) -> None:
 
 def _stack_source(port_source: str) -> str:
     """The port's restoration of removed names, taken from rocm_port.py's own source (one source):
-    its table and the two functions, then the call."""
+    its table and functions, then the call."""
     tree = ast.parse(port_source)
-    wanted = {"_NUMPY_REMOVED", "_torch_six", "install_target_stack_compat"}
+    wanted = {"_NUMPY_REMOVED", "_torch_six", "_restore_distributed_names", "install_target_stack_compat"}
     parts = [ast.get_source_segment(port_source, node) for node in tree.body
              if getattr(node, "name", None) in wanted
              or any(getattr(t, "id", None) in wanted for t in getattr(node, "targets", []))]
