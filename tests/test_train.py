@@ -306,12 +306,14 @@ import amp_C, fused_mix_prec_layer_norm_cuda
 import transformer_engine as te
 from importlib.metadata import version
 assert version("transformer-engine") == "0.0.0+megaport.stub"
-class Norm(te.pytorch.LayerNorm):
+class Linear(te.pytorch.Linear):
     pass
 try:
-    Norm(8)
+    Linear(8, 8)
 except ImportError as exc:
     stub = str(exc)
+norm = te.pytorch.LayerNorm(hidden_size=8, eps=1e-5, sequence_parallel=False, params_dtype=torch.float32)
+assert torch.allclose(norm(torch.ones(2, 8)), torch.zeros(2, 8))  # the final norm core 0.4-0.7 build
 p = torch.nn.Parameter(torch.ones(3))
 p.grad = torch.ones(3)
 FusedAdam([p], lr=0.1).step()

@@ -31,7 +31,8 @@ import tempfile
 from megaport.git import export_commit
 
 SHIMS = {
-    "transformer-engine": "transformer_engine import stub (provides nothing; any use raises)",
+    "transformer-engine": "transformer_engine import stub (provides nothing but its LayerNorm/RMSNorm in PyTorch, "
+                          "which core 0.4-0.7 build the final norm with whatever the layer spec; any other use raises)",
     "stack": "torch._six and NumPy's removed aliases restored (the port's own restoration; nothing computational)",
     "apex": "apex, amp_C and the layer-norm/wgrad extensions served by the port's PyTorch stand-ins "
             "(what a ROCm apex build gives); the fusions under test stay upstream's unfused paths",
@@ -94,7 +95,8 @@ _TE_STUB_SOURCE = '''"""Import stub of TransformerEngine for megaport's baseline
 
 Upstream of 2023-07 to 2024-06 imports TE layers at module level, unguarded, even when the run
 uses --transformer-impl local. Every name here is a placeholder class: subclassing it at import
-works, and any use (calling, instantiating, reading an attribute) raises.
+works, and any use (calling, instantiating, reading an attribute) raises; but LayerNorm and
+RMSNorm, which core 0.4-0.7 build the final norm with whatever the layer spec, are torch's.
 """
 
 
@@ -119,6 +121,32 @@ class _Namespace:
 
     def __call__(self, *args, **kwargs):
         raise ImportError("transformer_engine is a megaport baseline stub: TransformerEngine is not installed")
+
+
+def _norm(kind):
+    import torch
+
+    class Norm(getattr(torch.nn, kind)):
+        """TE's norm signature over torch's: what core 0.4-0.7's TENorm builds the final norm with."""
+
+        def __init__(self, hidden_size, eps=1e-5, sequence_parallel=False, zero_centered_gamma=False,
+                     params_dtype=None, device=None, **kwargs):
+            if zero_centered_gamma:
+                raise ImportError("transformer_engine stub: zero_centered_gamma needs TransformerEngine")
+            super().__init__(hidden_size, eps=eps, dtype=params_dtype, device=device)
+
+    Norm.__name__ = Norm.__qualname__ = kind
+    return Norm
+
+
+class _PyTorch(_Namespace):
+    def __getattr__(self, name):
+        if name in ("LayerNorm", "RMSNorm"):
+            return _norm(name)
+        return super().__getattr__(name)
+
+
+pytorch = _PyTorch("transformer_engine.pytorch")
 
 
 def __getattr__(name):
