@@ -175,6 +175,16 @@ def test_upstreams_log_lines_give_loss_and_time_per_iteration():
     assert [(i.iteration, i.loss, i.ms) for i in found] == [(2, 5.612345, 41.2), (3, 5.101, 40.8)]
 
 
+def test_a_skipped_iteration_logged_with_a_zero_loss_is_no_loss():
+    """Upstream main prints 'lm loss: 0.000000E+00' for an iteration fp16's loss scaler skipped."""
+    skipped = (" iteration        4/      30 | elapsed time per iteration (ms): 39.0 | lm loss: 0.000000E+00 |"
+               " loss scale: 1073741824.0 | number of skipped iterations:   1 | number of nan iterations:   0 |\n")
+    advanced = skipped.replace("iteration        4/", "iteration        5/").replace(
+        "lm loss: 0.000000E+00", "lm loss: 5.000000E+00").replace("skipped iterations:   1", "skipped iterations:   0")
+    found = log.parse_log(LOG + skipped + advanced)
+    assert [i.iteration for i in found] == [2, 3, 5]
+
+
 def fake_tree(tmp_path: Path, exit_code: int = 0) -> Path:
     """A tree whose pretrain_gpt.py prints upstream's log lines for the iterations it is asked
     for, with a falling loss, after checking it got the flags a user's run would give it and

@@ -42,7 +42,7 @@ SUBSTITUTIONS = (
     "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
 )
 MARK = "> megaport cpu:"
-_LEGACY = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
+LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
            "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
 
 
@@ -166,9 +166,10 @@ def _device_queries(torch) -> None:
     cuda.reset_max_memory_allocated = lambda device=None: None
 
 
-def _placement(torch) -> None:
+def place_on_cpu(torch) -> None:
+    """``.cuda()`` returns the tensor itself; the legacy ``torch.cuda.*Tensor`` constructors build CPU tensors."""
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    for name in _LEGACY:
+    for name in LEGACY_CONSTRUCTORS:
         setattr(torch.cuda, name, getattr(torch, name))
 
 
@@ -200,7 +201,7 @@ def install(torch) -> contextlib.AbstractContextManager:
     """Apply every substitution; the returned placement mode must be active while the script runs."""
     _process_group(torch)
     _device_queries(torch)
-    _placement(torch)
+    place_on_cpu(torch)
     _rng(torch)
     _streams(torch)
     return placement_mode(torch)

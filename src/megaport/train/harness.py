@@ -128,25 +128,31 @@ def cpu_plumbing(parallel_state, tensor_parallel, torch, substitutions: list):
 @contextlib.contextmanager
 def cpu_device_placement(torch, substitutions: list):
     """Upstream's ``device=torch.cuda.current_device()`` / ``'cuda'`` allocations land on the CPU:
-    the placement mode of :mod:`megaport.train.cpu`; ``torch.cuda.current_device()`` answers
-    ``"cpu"`` (upstream passes it as a ``device=``, also from backward passes, where no function
-    mode is active). Only placement changes: every computation is the tree's."""
-    from megaport.train.cpu import placement_mode
+    the placement substitutions of :mod:`megaport.train.cpu` (``.cuda()``, the legacy
+    ``torch.cuda.IntTensor``-style constructors 2021-2023 code allocates with, and the placement
+    mode), plus ``torch.cuda.current_device()`` answering ``"cpu"`` (upstream passes it as a
+    ``device=``, also from backward passes, where no function mode is active). Only placement
+    changes: every computation is the tree's."""
+    from megaport.train.cpu import LEGACY_CONSTRUCTORS, place_on_cpu, placement_mode
 
-    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda
+    names = ("current_device", "current_stream") + LEGACY_CONSTRUCTORS
+    saved_cuda = {name: getattr(torch.cuda, name, None) for name in names}
+    saved_tensor_cuda = torch.Tensor.cuda
+    place_on_cpu(torch)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     note = ("tensors upstream places on 'cuda' are placed on the CPU (torch.cuda.current_device() "
-            "answers 'cpu', current_stream() the CPU stream), and Tensor.type() names them "
-            "torch.cuda.* for upstream's type checks")
+            "answers 'cpu', current_stream() the CPU stream, torch.cuda.*Tensor constructors build CPU "
+            "tensors), and Tensor.type() names them torch.cuda.* for upstream's type checks")
     if note not in substitutions:
         substitutions.append(note)
     try:
         with placement_mode(torch):
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda = saved
+        torch.Tensor.cuda = saved_tensor_cuda
+        for name, value in saved_cuda.items():
+            setattr(torch.cuda, name, value)
 
 
 def upstream_args(run: Run, facts: dict):

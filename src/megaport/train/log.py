@@ -8,6 +8,7 @@ from dataclasses import dataclass
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
+_SKIPPED = re.compile(r"number of skipped iterations:\s*(\d+)")
 PORT_LINE = "> ROCm port:"
 # The exception a rank died of, as its traceback's last line says it (torchrun prefixes "[rankN]: ").
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b.*)$", re.M)
@@ -24,12 +25,19 @@ class Iteration:
 
 def parse_log(text: str) -> list:
     """Every iteration line of upstream's training log (``iteration N/ M | ... elapsed time per
-    iteration (ms): T | ... lm loss: L |``); lines without a loss (skipped fp16 steps) are left out."""
+    iteration (ms): T | ... lm loss: L |``) that reports a loss. fp16's loss scaler skips a step
+    whose gradients overflow: older eras then print no loss, upstream since 2025 prints
+    ``lm loss: 0.000000E+00`` beside ``number of skipped iterations: 1`` (nothing advanced, so the
+    average is 0). Both are left out: neither is a loss."""
     found = []
     for line in text.splitlines():
         it, ms, loss = _ITERATION.search(line), _ELAPSED.search(line), _LOSS.search(line)
-        if it and ms and loss:
-            found.append(Iteration(int(it.group(1)), float(loss.group(1)), float(ms.group(1))))
+        if not (it and ms and loss):
+            continue
+        skipped = _SKIPPED.search(line)
+        if skipped and int(skipped.group(1)) > 0 and float(loss.group(1)) == 0.0:
+            continue
+        found.append(Iteration(int(it.group(1)), float(loss.group(1)), float(ms.group(1))))
     return found
 
 
