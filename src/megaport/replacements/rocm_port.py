@@ -326,22 +326,42 @@ def _ignore_persist_layer_norm(module) -> None:
         cls._rocm_port_persist_ignored = True
 
 
+def _both_resize_names(module) -> None:
+    """Upstream's inpainting.py of 2022-02 to 2023-09 imports ``resize_`` from vision/utils.py,
+    which defines only ``resize``, and then calls ``resize``: an ImportError at import and a
+    NameError in forward (upstream's b49249803e later imported ``resize``). Both modules get both
+    names; a tree that already has them is left as it is."""
+    function = getattr(module, "resize", None) or getattr(module, "resize_", None)
+    if function is not None:
+        for name in ("resize", "resize_"):
+            if not hasattr(module, name):
+                setattr(module, name, function)
+
+
 # What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
-_AFTER_IMPORT = {
+_AFTER_IMPORT_WITHOUT_TE = {
     _GPT_SPECS_MODULE: _serve_te_layer_specs,
     "megatron.core.transformer.torch_layer_norm": _ignore_persist_layer_norm,
     "megatron.core.transformer.torch_norm": _ignore_persist_layer_norm,
 }
+# What old upstream code needs right after a module loads, whatever is installed.
+_AFTER_IMPORT_ALWAYS = {
+    "megatron.model.vision.utils": _both_resize_names,
+    "megatron.model.vision.inpainting": _both_resize_names,
+}
 
 
-class _ServeDefaultsAfterImport(importlib.abc.MetaPathFinder):
-    """Runs the :data:`_AFTER_IMPORT` step of a module once upstream's own code has loaded it: one
-    mechanism for every era, whatever shape the file has."""
+class _ServeAfterImport(importlib.abc.MetaPathFinder):
+    """Runs the after-import step of a module (:data:`_AFTER_IMPORT_WITHOUT_TE`,
+    :data:`_AFTER_IMPORT_ALWAYS`) once upstream's own code has loaded it: one mechanism for every
+    era, whatever shape the file has."""
 
     def find_spec(self, fullname, path=None, target=None):
-        serve = _AFTER_IMPORT.get(fullname)
-        if serve is None or _transformer_engine_installed():
-            return None
+        serve = _AFTER_IMPORT_ALWAYS.get(fullname)
+        if serve is None:
+            serve = _AFTER_IMPORT_WITHOUT_TE.get(fullname)
+            if serve is None or _transformer_engine_installed():
+                return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
@@ -357,7 +377,7 @@ class _ServeDefaultsAfterImport(importlib.abc.MetaPathFinder):
 
 if not TRANSFORMER_ENGINE_IMPORTS_GUARDED:
     sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
-sys.meta_path.insert(1, _ServeDefaultsAfterImport())
+sys.meta_path.insert(1, _ServeAfterImport())
 
 
 def switch_off_rope_fusion(config) -> bool:

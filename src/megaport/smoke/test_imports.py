@@ -28,8 +28,6 @@ def _touched(config) -> list:
         if name is None:
             marks.append(pytest.mark.skip(reason=f"{path} is not an importable module name"))
             name = path
-        elif not path.startswith("megatron/"):
-            marks.append(pytest.mark.skip(reason=f"{path} is a script outside the megatron package"))
         elif not (smoke.tree / path).is_file():
             marks.append(pytest.mark.skip(reason=f"{path} was removed by the series"))
         params.append(pytest.param(name, marks=marks, id=name))
