@@ -3,8 +3,8 @@
 Usage (test_distributed.py builds this): python -m torch.distributed.run --standalone
 --nproc-per-node 2 _dist_worker.py --tree DIR --out DIR --device cpu|cuda|hip --backend NAME
 
-Writes OUT/rank<N>.json: the backend used and one entry per check, {"ok": bool, "detail": str}
-or {"skip": reason}. Every check runs the tree's own code; nothing here stands in for it.
+Writes OUT/rank<N>.json: the backend used and one entry per check, {"ok": bool, "detail": str}.
+Every check runs the tree's own code; nothing here stands in for it.
 """
 
 from __future__ import annotations
@@ -29,18 +29,12 @@ def check(results, name):
         try:
             out = fn()
             results[name] = out if isinstance(out, dict) else {"ok": True, "detail": str(out or "")}
-        except SkipCheck as exc:
-            results[name] = {"skip": str(exc)}
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
             results[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}",
                              "traceback": traceback.format_exc()[-3000:]}
         return fn
 
     return wrap
-
-
-class SkipCheck(Exception):
-    pass
 
 
 def max_err(a, b):
@@ -111,16 +105,18 @@ def main() -> int:
         want = torch.arange(513, dtype=torch.float32) * 3.25 + 1
         return {"ok": torch.equal(t.cpu(), want), "detail": "rank 0's tensor bit for bit"}
 
-    tp = _tensor_parallel(results, torch, dist, rank, world, device, tree)
+    try:
+        tp = _tensor_parallel(results, torch, dist, rank, world, device, tree)
+    except Exception as exc:  # noqa: BLE001 - the layers could not even be built: each check fails with it
+        failed = {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        tp = {name: failed for name in ("column_parallel_linear", "row_parallel_linear", "gradient_accumulation_fusion")}
     results["tensor_parallel"] = tp
     results["blocked_loaded"] = _blocked_loaded()
     try:
         dist.barrier()
     finally:
         try:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            _parallel_modules()[0].destroy_model_parallel()
         except Exception:  # noqa: BLE001
             pass
         dist.destroy_process_group()
@@ -128,25 +124,65 @@ def main() -> int:
     return 0
 
 
-def _tensor_parallel(results, torch, dist, rank, world, device, tree):
-    """ColumnParallelLinear → RowParallelLinear at TP=world against the unsharded layers."""
-    status = {}
+def _parallel_modules():
+    """(model-parallel state, tensor-parallel layers) of the tree: megatron.core's from 2022-11,
+    megatron.mpu's (the same functions and layers) before."""
     try:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import layers
     except ModuleNotFoundError as exc:
-        status["skip"] = f"this era has no megatron.core tensor-parallel layers ({exc})"
-        return status
+        if not (exc.name or "").startswith("megatron.core"):
+            raise
+        from megatron import mpu
+        from megatron.mpu import layers
+
+        return mpu, layers
+    return parallel_state, layers
+
+
+def _layer_settings(torch, layers, world):
+    """A function giving the keyword arguments that make a tensor-parallel layer: fp32 weights
+    initialised on the CPU, no sequence parallelism, ``extra`` settings on top. Each era takes
+    its settings its own way: a ModelParallelConfig (2023-07 on), keyword arguments of the layer
+    (2022-11 to 2023-07), or Megatron's global args (megatron.mpu, until 2022-11)."""
+    settings = dict(use_cpu_initialization=True, perform_initialization=True, params_dtype=torch.float32,
+                    gradient_accumulation_fusion=False, async_tensor_model_parallel_allreduce=False,
+                    sequence_parallel=False, sequence_parallel_enabled=False)
     try:
         from megatron.core.model_parallel_config import ModelParallelConfig
     except ModuleNotFoundError:
-        status["skip"] = "this era has no ModelParallelConfig (layers take args globals)"
-        return status
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        ModelParallelConfig = None
+    if ModelParallelConfig is not None:
+        def config(**extra):
+            chosen = {k: settings[k] for k in ("use_cpu_initialization", "perform_initialization", "params_dtype")}
+            return {"config": ModelParallelConfig(tensor_model_parallel_size=world, **chosen, **extra)}
 
-    def config(**extra):
-        return ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True,
-                                   perform_initialization=True, params_dtype=torch.float32, **extra)
+        return config
+    import inspect
+
+    accepts = inspect.signature(layers.ColumnParallelLinear.__init__).parameters
+    if "use_cpu_initialization" in accepts:
+        def keywords(**extra):
+            return {k: v for k, v in {**settings, **extra}.items() if k in accepts}
+
+        return keywords
+    import argparse
+
+    from megatron import global_vars
+
+    def global_args(**extra):
+        global_vars._GLOBAL_ARGS = argparse.Namespace(**{**settings, **extra})
+        return {}
+
+    return global_args
+
+
+def _tensor_parallel(results, torch, dist, rank, world, device, tree):
+    """ColumnParallelLinear → RowParallelLinear at TP=world against the unsharded layers."""
+    status = {}
+    parallel_state, layers = _parallel_modules()
+    parallel_state.initialize_model_parallel(world)
+    config = _layer_settings(torch, layers, world)
 
     def init(w):
         return torch.nn.init.normal_(w, std=0.2)
@@ -158,9 +194,9 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
 
     torch.manual_seed(1234)
     hidden, ffn, out_dim = 8, 3 * world, 4
-    col = layers.ColumnParallelLinear(hidden, ffn, config=config(), init_method=init, bias=True,
+    col = layers.ColumnParallelLinear(hidden, ffn, **config(), init_method=init, bias=True,
                                       gather_output=False).to(device)
-    row = layers.RowParallelLinear(ffn, out_dim, config=config(), init_method=init, bias=True,
+    row = layers.RowParallelLinear(ffn, out_dim, **config(), init_method=init, bias=True,
                                    input_is_parallel=True, skip_bias_add=False).to(device)
     gen = torch.Generator().manual_seed(99)
     x = torch.randn(3, 5, hidden, generator=gen).to(device).requires_grad_(True)
@@ -204,11 +240,8 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
     @check(status, "gradient_accumulation_fusion")
     def _():
         """The default --gradient-accumulation-fusion path: wgrad accumulated into main_grad."""
-        try:
-            fused = layers.ColumnParallelLinear(hidden, ffn, config=config(gradient_accumulation_fusion=True),
-                                                init_method=init, bias=False, gather_output=False).to(device)
-        except TypeError as exc:
-            raise SkipCheck(f"ModelParallelConfig has no gradient_accumulation_fusion ({exc})") from None
+        fused = layers.ColumnParallelLinear(hidden, ffn, **config(gradient_accumulation_fusion=True),
+                                            init_method=init, bias=False, gather_output=False).to(device)
         with torch.no_grad():
             fused.weight.copy_(col.weight)
         fused.weight.main_grad = torch.zeros(fused.weight.shape, dtype=torch.float32, device=device)

@@ -135,18 +135,38 @@ def _file_rank(item) -> int:
     return FILE_ORDER.index(name) if name in FILE_ORDER else len(FILE_ORDER)
 
 
+def _in_tree(smoke, marker) -> bool:
+    text, *paths = marker.args
+    for path in paths:
+        try:
+            if text in (smoke.tree / path).read_text(encoding="utf-8", errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _deselect(config, items, unwanted, fact: str) -> None:
+    """Take ``unwanted`` out of the run (deselected, listed in the report under ``fact``), not skipped."""
+    if unwanted:
+        items[:] = [item for item in items if item not in unwanted]
+        config.hook.pytest_deselected(items=unwanted)
+        config.stash[_tree.SMOKE_KEY].facts[fact] = [item.nodeid for item in unwanted]
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)  # stable: pytest's order within each file is kept
     smoke = config.stash[_tree.SMOKE_KEY]
+    # A feature the era does not have (gradient-accumulation fusion before 2022-02, say) has
+    # nothing to test: deselected and listed, never skipped, so a healthy tree skips nothing.
+    _deselect(config, items, [item for item in items if item.get_closest_marker("in_tree") is not None
+                              and not _in_tree(smoke, item.get_closest_marker("in_tree"))], "not_in_this_era")
     if smoke.gpu:
         return
     # Large cases kept off the CPU run to keep it fast are not run there at all (deselected and
     # listed in the report), rather than skipped: a CPU run of a healthy tree skips nothing.
-    gpu_only = [item for item in items if item.get_closest_marker("gpu_only") is not None]
-    if gpu_only:
-        items[:] = [item for item in items if item.get_closest_marker("gpu_only") is None]
-        config.hook.pytest_deselected(items=gpu_only)
-        smoke.facts["gpu_only_not_run"] = [item.nodeid for item in gpu_only]
+    _deselect(config, items, [item for item in items if item.get_closest_marker("gpu_only") is not None],
+              "gpu_only_not_run")
 
 
 def pytest_collection_finish(session):
@@ -202,10 +222,11 @@ def process_group(smoke, torch_module, rocm_port):
 
     import torch.distributed as dist
 
-    try:
-        parallel_state = importlib.import_module("megatron.core.parallel_state")
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"no megatron.core.parallel_state in this tree ({exc})")
+    # megatron.core.parallel_state from 2022-11; megatron.mpu, with the same functions, before.
+    module, reason = _tree.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree")
+    if module is None:
+        pytest.fail(f"the tree has no model-parallel state module ({reason})", pytrace=False)
+    parallel_state = module
     name, source = _tree.distributed_backend_default(smoke.tree)
     chosen = name if smoke.gpu else "gloo"
     resolve = getattr(rocm_port, "resolve_distributed_backend", None)

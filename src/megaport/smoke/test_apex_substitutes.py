@@ -9,6 +9,7 @@ and skips with the reason when the tree has no such thing.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 
@@ -115,7 +116,7 @@ def multi_tensor_helpers(which, rocm_port):
     return applier, amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
 
 
-def call_or_skip_cuda_only(smoke, fn, *args):
+def call_or_skip_cuda_only(smoke, fn, *args, **kwargs):
     """Upstream helpers that allocate on 'cuda' run with their tensors placed on the CPU there
     (the substitution is reported); anything else CUDA-only skips, naming the line."""
     placement = contextlib.nullcontext()
@@ -124,7 +125,7 @@ def call_or_skip_cuda_only(smoke, fn, *args):
         placement = harness.cpu_device_placement(torch, substitutions)
     try:
         with placement:
-            return fn(*args)
+            return fn(*args, **kwargs)
     except (AssertionError, RuntimeError) as exc:
         reason = _tree.cuda_only_reason(exc, smoke.tree)
         if reason and not smoke.gpu:
@@ -209,7 +210,12 @@ def test_megatron_grad_norm_fp32(smoke, device, process_group):
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    got = float(call_or_skip_cuda_only(smoke, fn, params, [p.grad for p in params], 1.0))
+    # Its arguments changed over the eras: (parameters, max_norm) until 2022, then grads_for_norm
+    # after the parameters, then check_for_nan_in_grad after max_norm (2023-10 on).
+    accepts = inspect.signature(fn).parameters
+    args = [params] + ([[p.grad for p in params]] if "grads_for_norm" in accepts else []) + [1.0]
+    kwargs = {"check_for_nan_in_grad": True} if "check_for_nan_in_grad" in accepts else {}
+    got = float(call_or_skip_cuda_only(smoke, fn, *args, **kwargs))
     assert abs(got - want) <= 1e-5 * want, f"clip_grad_norm_fp32 returned {got}, torch's norm is {want}"
     for p, g in zip(params, grads):
         assert torch.allclose(p.grad, g * (1.0 / (want + 1e-6)), rtol=1e-5), "gradients not clipped to norm 1"
@@ -250,28 +256,48 @@ def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtyp
         assert torch.allclose(a.grad.float(), r.grad.float(), atol=tol * 10, rtol=tol), f"layer norm grad of {name}"
 
 
-def test_fused_layer_norm_module_matches_torch(smoke, device):
-    """megatron.core.fusions.fused_layer_norm.FusedLayerNorm builds without apex and matches LayerNorm."""
-    module = tree_module("megatron.core.fusions.fused_layer_norm")
-    cls = need(module, "FusedLayerNorm")
-    tc = tree_module("megatron.core.transformer.transformer_config")
-    config = tc.TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+LAYER_NORM_MODULES = ("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
+                      "megatron.legacy.model.fused_layer_norm")
+
+
+def _layer_norm_module(module, device):
+    """The era's fused layer-norm module, 32 wide, built the way its constructor takes it: a
+    TransformerConfig from core 0.4 on, keyword arguments before (MixedFusedLayerNorm until
+    2023, FusedLayerNorm of megatron/core/fusions in 2023)."""
+    cls = getattr(module, "FusedLayerNorm", None) or need(module, "MixedFusedLayerNorm", "nor FusedLayerNorm")
+    accepts = inspect.signature(cls.__init__).parameters
+    kwargs = {"eps": 1e-5}
+    kwargs["hidden_size" if "hidden_size" in accepts else "normalized_shape"] = 32
+    if "config" in accepts:
+        tc = tree_module("megatron.core.transformer.transformer_config")
+        kwargs["config"] = tc.TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                                use_cpu_initialization=True)
     try:
-        layer = cls(config=config, hidden_size=32, eps=1e-5).to(device)
+        return cls(**kwargs).to(device)
     except ValueError as exc:
-        pytest.fail(f"FusedLayerNorm needs apex in this tree: {exc}", pytrace=False)
-    with torch.no_grad():
-        layer.weight.uniform_(0.5, 1.5)
-        layer.bias.uniform_(-0.1, 0.1)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 2, 32, generator=gen).to(device).requires_grad_(True)
-    xr = x.detach().clone().requires_grad_(True)
-    y = layer(x)
-    y_ref = torch.nn.functional.layer_norm(xr, (32,), layer.weight.detach(), layer.bias.detach(), 1e-5)
-    assert torch.allclose(y, y_ref, atol=1e-5)
-    y.sum().backward()
-    y_ref.sum().backward()
-    assert torch.allclose(x.grad, xr.grad, atol=1e-5)
+        pytest.fail(f"{module.__name__}.{cls.__name__} needs apex in this tree: {exc}", pytrace=False)
+
+
+def test_fused_layer_norm_module_matches_torch(smoke, device):
+    """Every fused layer-norm module the tree has (megatron/core/fusions, megatron/model,
+    megatron/legacy/model) builds without apex and matches torch's LayerNorm, forward and backward."""
+    names = [n for n in LAYER_NORM_MODULES if (smoke.tree / (n.replace(".", "/") + ".py")).is_file()]
+    if not names:
+        pytest.fail(f"the tree has none of {', '.join(LAYER_NORM_MODULES)}", pytrace=False)
+    for name in names:
+        layer = _layer_norm_module(tree_module(name), device)
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.bias.uniform_(-0.1, 0.1)
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(5, 2, 32, generator=gen).to(device).requires_grad_(True)
+        xr = x.detach().clone().requires_grad_(True)
+        y = layer(x)
+        y_ref = torch.nn.functional.layer_norm(xr, (32,), layer.weight.detach(), layer.bias.detach(), 1e-5)
+        assert torch.allclose(y, y_ref, atol=1e-5), f"{name}: forward"
+        y.sum().backward()
+        y_ref.sum().backward()
+        assert torch.allclose(x.grad, xr.grad, atol=1e-5), f"{name}: input gradient"
 
 
 def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
