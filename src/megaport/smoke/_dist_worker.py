@@ -147,7 +147,8 @@ def _layer_settings(torch, layers, world):
     (2022-11 to 2023-07), or Megatron's global args (megatron.mpu, until 2022-11)."""
     settings = dict(use_cpu_initialization=True, perform_initialization=True, params_dtype=torch.float32,
                     gradient_accumulation_fusion=False, async_tensor_model_parallel_allreduce=False,
-                    sequence_parallel=False, sequence_parallel_enabled=False)
+                    no_async_tensor_model_parallel_allreduce=True, sequence_parallel=False,
+                    sequence_parallel_enabled=False)
     try:
         from megatron.core.model_parallel_config import ModelParallelConfig
     except ModuleNotFoundError:

@@ -323,11 +323,17 @@ def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
 # ---------------------------------------------------------------------------------------------
 
 
+TP_LAYERS = ("megatron/core/tensor_parallel/layers.py", "megatron/mpu/layers.py")
+
+
+@pytest.mark.in_tree("gradient_accumulation_fusion", *TP_LAYERS)  # 2022-02 on
 @pytest.mark.parametrize("main_grad_dtype", ["fp32", "bf16"])
-def test_weight_gradient_accumulation_matches_matmul(smoke, device, main_grad_dtype):
+def test_weight_gradient_accumulation_matches_matmul(smoke, rocm_port, device, main_grad_dtype):
     """The wgrad_gemm_accum functions tensor_parallel/layers.py calls: main_grad += g^T x."""
-    layers = tree_module("megatron.core.tensor_parallel.layers")
+    layers = tree_module("megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
     ext = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
+    if ext is None and "rocm_port import fused_weight_gradient_mlp_cuda" in inspect.getsource(layers):
+        ext = rocm_port.fused_weight_gradient_mlp_cuda  # 2022's layers import it inside backward
     if ext is None or not getattr(layers, "_grad_accum_fusion_available", True):
         pytest.fail("tensor_parallel.layers has no gradient-accumulation fusion: "
                     "the default --gradient-accumulation-fusion would raise", pytrace=False)

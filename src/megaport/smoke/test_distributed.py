@@ -96,7 +96,7 @@ def test_row_parallel_linear_tp2_matches_unsharded(run):
     _check(run, "row_parallel_linear")
 
 
-@pytest.mark.in_tree("gradient_accumulation_fusion", "megatron/core/tensor_parallel/layers.py", "megatron/mpu/layers.py")
+@pytest.mark.in_tree("gradient_accumulation_fusion", "megatron/core/tensor_parallel/layers.py", "megatron/mpu/layers.py")  # 2022-02 on
 def test_gradient_accumulation_fusion_tp2(run):
     _check(run, "gradient_accumulation_fusion")
 

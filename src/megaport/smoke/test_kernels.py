@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 
+from megaport.smoke import _tree
 from megaport.smoke import reference as ref
 
 torch = pytest.importorskip("torch")
@@ -261,20 +262,48 @@ def make_fused_module(fs, kind, dtype, scale):
     return cls(**{k: v for k, v in values.items() if k in params})
 
 
+class _Recorded:
+    """Stands in for one of the tree's softmax autograd functions in its fused_softmax module and
+    records each call: FusedScaleMaskSoftmax looks them up there when it takes the fused path."""
+
+    def __init__(self, function, calls: list):
+        self.function, self.calls = function, calls
+
+    def apply(self, *args):
+        self.calls.append(self.function.__name__)
+        return self.function.apply(*args)
+
+
+# bf16 training arrived in 2021-02 (input_in_bf16); before, fp16 is the one fused dtype.
+_BF16_IN_TREE = pytest.mark.in_tree("input_in_bf16", *(n.replace(".", "/") + ".py" for n in _tree.FUSED_SOFTMAX_MODULES))
+
+
 @pytest.mark.parametrize("kind", ["causal", "padding"])
-@pytest.mark.parametrize("dtype_id", ["fp16", "bf16"])
-def test_fused_scale_mask_softmax_takes_the_fused_path(fused_softmax, smoke, device, kind, dtype_id):
-    """Training shapes (fp16/bf16, sk <= 4096, multiples of 4) go through the replacement."""
+@pytest.mark.parametrize("dtype_id", ["fp16", pytest.param("bf16", marks=_BF16_IN_TREE)])
+def test_fused_scale_mask_softmax_takes_the_fused_path(fused_softmax, smoke, device, monkeypatch, kind, dtype_id):
+    """Training shapes (fp16/bf16, sk <= 2048, multiples of 4) go through the replacement: the
+    module calls the tree's softmax function, whatever way its era decides (is_kernel_available
+    from 2021-03; inline conditions before, which also want the causal mask passed)."""
     dtype = DTYPES[dtype_id]
     shape = (2, 4, 32, 32)
     module = make_fused_module(fused_softmax, kind, dtype, SCALE)
     x, g = inputs(shape, dtype, device, seed=9)
-    mask = make_mask(shape, device) if kind == "padding" else None
     b, np_, sq, sk = shape
-    assert module.is_kernel_available(mask, b, np_, sq, sk), (
-        "FusedScaleMaskSoftmax refuses the fused path for a training shape (get_batch_per_block?)")
+    if kind == "padding":
+        mask = make_mask(shape, device)
+    else:
+        mask = ref.causal_future(sq, sk, device).expand(b, 1, sq, sk)
+    if hasattr(module, "is_kernel_available"):
+        assert module.is_kernel_available(mask, b, np_, sq, sk), (
+            "FusedScaleMaskSoftmax refuses the fused path for a training shape (get_batch_per_block?)")
+    calls = []
+    for name in ("ScaledUpperTriangMaskedSoftmax", "ScaledMaskedSoftmax", "ScaledSoftmax"):
+        if hasattr(fused_softmax, name):
+            monkeypatch.setattr(fused_softmax, name, _Recorded(getattr(fused_softmax, name), calls))
     xr = x.clone().requires_grad_(True)
     y = module(xr, mask)
+    monkeypatch.undo()
+    assert calls, "FusedScaleMaskSoftmax took upstream's torch path for a training shape, not the port's softmax"
     direct = run(fused_softmax, "causal" if kind == "causal" else "masked", x, mask, SCALE)
     assert torch.equal(y.detach(), direct), "the module's fused path differs from the tree's softmax function"
     want = expected(smoke, "causal" if kind == "causal" else "masked", x, mask, SCALE)
