@@ -57,9 +57,11 @@ _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "apex/__init__": "",
     "apex/optimizers/__init__": "from _megaport_standins import FusedAdam, FusedSGD\n",
     "apex/multi_tensor_apply/__init__": "from _megaport_standins import multi_tensor_applier\n",
-    "apex/normalization/__init__": "from .fused_layer_norm import FusedLayerNormAffineFunction, FusedRMSNormAffineFunction\n",
+    "apex/normalization/__init__": "from .fused_layer_norm import FusedLayerNorm, FusedLayerNormAffineFunction, "
+                                   "FusedRMSNormAffineFunction\n",
+    # apex's FusedLayerNorm module (2021's models build it) has torch's LayerNorm signature and values.
     "apex/normalization/fused_layer_norm": "from _megaport_standins import FusedLayerNormAffineFunction, "
-                                           "FusedRMSNormAffineFunction\n",
+                                           "FusedRMSNormAffineFunction\nfrom torch.nn import LayerNorm as FusedLayerNorm\n",
 }
 _KERNEL_BUILD_HOOK = '''
 class _SkipKernelBuild:
