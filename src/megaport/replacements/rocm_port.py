@@ -338,8 +338,25 @@ def _both_resize_names(module) -> None:
                 setattr(module, name, function)
 
 
+def _port_multi_tensor_helpers(module) -> None:
+    """Without TE and apex, clip_grads.py and optimizer.py (core 0.7 on) fall back to upstream's
+    local multi-tensor helpers, which compute bf16 norms in bf16 and sync the host per tensor; the
+    port's amp_C stand-ins (foreach kernels, fp32 norms) serve them instead, as apex would. Names
+    bound to anything but the local fallbacks are left as they are."""
+    port = {"multi_tensor_applier": multi_tensor_applier, "l2_norm_impl": amp_C.multi_tensor_l2norm,
+            "multi_tensor_scale_impl": amp_C.multi_tensor_scale}
+    local = [name for name in port if getattr(getattr(module, name, None), "__name__", "").startswith("local_multi_tensor")]
+    for name in local:
+        setattr(module, name, port[name])
+    if local:
+        say_once("apex is not installed: the grad-norm and grad-scale helpers are the port's amp_C stand-ins "
+                 "(fp32 norms), not upstream's local fallback")
+
+
 # What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
 _AFTER_IMPORT_WITHOUT_TE = {
+    "megatron.core.optimizer.clip_grads": _port_multi_tensor_helpers,
+    "megatron.core.optimizer.optimizer": _port_multi_tensor_helpers,
     _GPT_SPECS_MODULE: _serve_te_layer_specs,
     "megatron.core.transformer.torch_layer_norm": _ignore_persist_layer_norm,
     "megatron.core.transformer.torch_norm": _ignore_persist_layer_norm,
