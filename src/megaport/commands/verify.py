@@ -231,6 +231,10 @@ def report(console, document: dict, state: PortState) -> None:
     not_run = device.get("gpu_only_not_run")
     if not_run:
         table.add_row("GPU-only cases", f"{len(not_run)} not run on CPU (deselected)")
+    absent = device.get("not_in_this_era")
+    if absent:
+        table.add_row("not in this era", escape(", ".join(name.split("::")[-1] for name in absent)
+                                                + " (the tree has no such feature; deselected)"))
     console.print(table)
 
     per_file: dict = {}
