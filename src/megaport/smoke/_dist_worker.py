@@ -79,6 +79,12 @@ def main() -> int:
         device = torch.device("cuda", local_rank)
         if rocm_port is not None and hasattr(rocm_port, "collective_library"):
             results["backend"]["library"] = list(rocm_port.collective_library())
+    if not gpu:
+        # CPU tensors: the groups the tree creates with an explicit nccl backend (2025's pipeline
+        # groups) are gloo's too, as in the CPU training run.
+        from megaport.train.cpu import use_gloo
+
+        use_gloo(torch)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=90))
     results["backend"]["initialised"] = dist.get_backend()
 

@@ -235,8 +235,15 @@ def process_group(smoke, torch_module, rocm_port):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     store_dir = tempfile.mkdtemp(prefix="megaport-pg-")
+    undo = lambda: None  # noqa: E731
     if smoke.gpu:
         torch_module.cuda.set_device(0)
+    else:
+        # The groups the tree creates with an explicit nccl backend (2025's pipeline groups) are
+        # gloo's on the CPU, as in the CPU training run (megaport.train.cpu.use_gloo).
+        from megaport.train.cpu import use_gloo
+
+        undo = use_gloo(torch_module)
     dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -247,6 +254,7 @@ def process_group(smoke, torch_module, rocm_port):
             parallel_state.destroy_model_parallel()
         finally:
             dist.destroy_process_group()
+            undo()
             shutil.rmtree(store_dir, ignore_errors=True)
 
 

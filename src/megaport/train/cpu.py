@@ -127,9 +127,13 @@ def _host_properties():
                                  multi_processor_count=os.cpu_count() or 1, gcnArchName="")
 
 
-def _process_group(torch) -> None:
+def use_gloo(torch):
+    """The process-group substitution: ``nccl``/``rccl`` process groups (the default one and the
+    groups upstream creates with an explicit backend, such as 2025's pipeline groups) are gloo's,
+    NCCL-only options dropped. Returns a function that undoes it (verify's one-rank fixture)."""
     dist = torch.distributed
-    init, new_group = dist.init_process_group, dist.new_group
+    saved = dist.init_process_group, dist.new_group, dist.distributed_c10d.new_group
+    init, new_group = saved[0], saved[1]
 
     def init_process_group(backend=None, *args, **kwargs):
         kwargs.pop("pg_options", None)
@@ -144,6 +148,11 @@ def _process_group(torch) -> None:
 
     dist.init_process_group, dist.new_group = init_process_group, gloo_group
     dist.distributed_c10d.new_group = gloo_group
+
+    def undo():
+        dist.init_process_group, dist.new_group, dist.distributed_c10d.new_group = saved
+
+    return undo
 
 
 def _device_queries(torch) -> None:
@@ -199,7 +208,7 @@ def _streams(torch) -> None:
 
 def install(torch) -> contextlib.AbstractContextManager:
     """Apply every substitution; the returned placement mode must be active while the script runs."""
-    _process_group(torch)
+    use_gloo(torch)
     _device_queries(torch)
     place_on_cpu(torch)
     _rng(torch)
