@@ -188,7 +188,7 @@ def test_optimizer_copies_main_params_to_model_params(smoke, device):
     that = [torch.zeros(t.shape, dtype=torch.float16, device=device) for t in this]
     overflow_buf = torch.tensor([0], dtype=torch.int, device=device)
     try:
-        copy(this, that, overflow_buf)
+        call_or_skip_cuda_only(smoke, copy, this, that, overflow_buf)  # v2.0 allocates torch.cuda.IntTensor
     except RuntimeError as exc:
         pytest.fail(f"the fp16 optimizer's main->model parameter copy fails: {exc} "
                     f"({_tree.tree_frame(exc, smoke.tree)})", pytrace=False)
@@ -208,7 +208,11 @@ def test_megatron_grad_norm_fp32(smoke, device, process_group):
         return
     fn = need(clip, "clip_grad_norm_fp32", "nor get_grad_norm_fp32")
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    # Upstream's get_model marks every parameter's tensor-parallel attributes; v2.0 reads them unguarded.
+    layers = tree_module("megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
+    mark = need(layers, "set_defaults_if_not_set_tensor_model_parallel_attributes")
     for p, g in zip(params, grads):
+        mark(p)
         p.grad = g.clone()
     # Its arguments changed over the eras: (parameters, max_norm) until 2022, then grads_for_norm
     # after the parameters, then check_for_nan_in_grad after max_norm (2023-10 on).
