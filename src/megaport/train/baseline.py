@@ -57,6 +57,12 @@ _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "apex/__init__": "",
     "apex/optimizers/__init__": "from _megaport_standins import FusedAdam, FusedSGD\n",
     "apex/multi_tensor_apply/__init__": "from _megaport_standins import multi_tensor_applier\n",
+    # apex's persistent layer norm (2021-11 imports it unguarded), as torch's layer norm: the same values.
+    "apex/contrib/__init__": "",
+    "apex/contrib/layer_norm/__init__": "",
+    "apex/contrib/layer_norm/layer_norm": "import torch\n\n\nclass FastLayerNormFN:\n    @staticmethod\n"
+                                          "    def apply(x, weight, bias, eps):\n"
+                                          "        return torch.nn.functional.layer_norm(x, weight.shape, weight, bias, eps)\n",
     "apex/normalization/__init__": "from .fused_layer_norm import FusedLayerNorm, FusedLayerNormAffineFunction, "
                                    "FusedRMSNormAffineFunction\n",
     # apex's FusedLayerNorm module (2021's models build it) has torch's LayerNorm signature and values.
