@@ -146,11 +146,14 @@ def _parallel_modules():
     return parallel_state, layers
 
 
-def _layer_settings(torch, layers, world):
-    """A function giving the keyword arguments that make a tensor-parallel layer: fp32 weights
-    initialised on the CPU, no sequence parallelism, ``extra`` settings on top. Each era takes
-    its settings its own way: a ModelParallelConfig (2023-07 on), keyword arguments of the layer
-    (2022-11 to 2023-07), or Megatron's global args (megatron.mpu, until 2022-11)."""
+def _layer_settings(torch, world):
+    """A function ``settings(cls, **extra)`` giving the keyword arguments that make the
+    tensor-parallel layer ``cls``: fp32 weights initialised on the CPU, no sequence parallelism,
+    ``extra`` on top. Each era takes its settings its own way: a ModelParallelConfig (2023-07 on),
+    keyword arguments of each layer (2022-11 to 2023-07), or Megatron's global args (megatron.mpu,
+    until 2022-11)."""
+    import inspect
+
     settings = dict(use_cpu_initialization=True, perform_initialization=True, params_dtype=torch.float32,
                     gradient_accumulation_fusion=False, async_tensor_model_parallel_allreduce=False,
                     no_async_tensor_model_parallel_allreduce=True, sequence_parallel=False,
@@ -159,29 +162,30 @@ def _layer_settings(torch, layers, world):
         from megatron.core.model_parallel_config import ModelParallelConfig
     except ModuleNotFoundError:
         ModelParallelConfig = None
-    if ModelParallelConfig is not None:
-        def config(**extra):
-            chosen = {k: settings[k] for k in ("use_cpu_initialization", "perform_initialization", "params_dtype")}
-            return {"config": ModelParallelConfig(tensor_model_parallel_size=world, **chosen, **extra)}
 
-        return config
-    import inspect
+    def config(cls, **extra):
+        chosen = {k: settings[k] for k in ("use_cpu_initialization", "perform_initialization", "params_dtype")}
+        return {"config": ModelParallelConfig(tensor_model_parallel_size=world, **chosen, **extra)}
 
-    accepts = inspect.signature(layers.ColumnParallelLinear.__init__).parameters
-    if "use_cpu_initialization" in accepts:
-        def keywords(**extra):
-            return {k: v for k, v in {**settings, **extra}.items() if k in accepts}
+    def keywords(cls, **extra):
+        accepts = inspect.signature(cls.__init__).parameters
+        return {k: v for k, v in {**settings, **extra}.items() if k in accepts}
 
-        return keywords
-    import argparse
+    def global_args(cls, **extra):
+        import argparse
 
-    from megatron import global_vars
+        from megatron import global_vars
 
-    def global_args(**extra):
         global_vars._GLOBAL_ARGS = argparse.Namespace(**{**settings, **extra})
         return {}
 
-    return global_args
+    def settings_for(cls, **extra):
+        accepts = inspect.signature(cls.__init__).parameters
+        if ModelParallelConfig is not None and "config" in accepts:
+            return config(cls, **extra)
+        return (keywords if "use_cpu_initialization" in accepts else global_args)(cls, **extra)
+
+    return settings_for
 
 
 def _tensor_parallel(results, torch, dist, rank, world, device, tree):
@@ -189,7 +193,7 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
     status = {}
     parallel_state, layers = _parallel_modules()
     parallel_state.initialize_model_parallel(world)
-    config = _layer_settings(torch, layers, world)
+    settings = _layer_settings(torch, world)
 
     def init(w):
         return torch.nn.init.normal_(w, std=0.2)
@@ -201,9 +205,9 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
 
     torch.manual_seed(1234)
     hidden, ffn, out_dim = 8, 3 * world, 4
-    col = layers.ColumnParallelLinear(hidden, ffn, **config(), init_method=init, bias=True,
+    col = layers.ColumnParallelLinear(hidden, ffn, **settings(layers.ColumnParallelLinear), init_method=init, bias=True,
                                       gather_output=False).to(device)
-    row = layers.RowParallelLinear(ffn, out_dim, **config(), init_method=init, bias=True,
+    row = layers.RowParallelLinear(ffn, out_dim, **settings(layers.RowParallelLinear), init_method=init, bias=True,
                                    input_is_parallel=True, skip_bias_add=False).to(device)
     gen = torch.Generator().manual_seed(99)
     x = torch.randn(3, 5, hidden, generator=gen).to(device).requires_grad_(True)
@@ -247,7 +251,8 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
     @check(status, "gradient_accumulation_fusion")
     def _():
         """The default --gradient-accumulation-fusion path: wgrad accumulated into main_grad."""
-        fused = layers.ColumnParallelLinear(hidden, ffn, **config(gradient_accumulation_fusion=True),
+        with_fusion = settings(layers.ColumnParallelLinear, gradient_accumulation_fusion=True)
+        fused = layers.ColumnParallelLinear(hidden, ffn, **with_fusion,
                                             init_method=init, bias=False, gather_output=False).to(device)
         with torch.no_grad():
             fused.weight.copy_(col.weight)

@@ -54,6 +54,9 @@ _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
                              "globals().update(vars(_m))\n",
     "fused_weight_gradient_mlp_cuda": "from _megaport_standins import fused_weight_gradient_mlp_cuda as _m\n"
                                       "globals().update(vars(_m))\n",
+    # The same extension under its 2022 name (apex's fused_dense_cuda), which the wgrad path imports.
+    "fused_dense_cuda": "from _megaport_standins import fused_weight_gradient_mlp_cuda as _m\n"
+                        "globals().update(vars(_m))\n",
     "apex/__init__": "",
     "apex/optimizers/__init__": "from _megaport_standins import FusedAdam, FusedSGD\n",
     "apex/multi_tensor_apply/__init__": "from _megaport_standins import multi_tensor_applier\n",
