@@ -328,7 +328,21 @@ p = torch.nn.Parameter(torch.ones(3))
 p.grad = torch.ones(3)
 FusedAdam([p], lr=0.1).step()
 print(np.float is float, inf == float("inf"), "stub" in stub, torch.allclose(p, torch.full((3,), 0.9)))
+# What 2021-2022 upstream imports of apex besides: its LayerNorm module, the persistent layer norm,
+# and the wgrad extension under its 2022 name; each computes what torch computes.
+from apex.normalization.fused_layer_norm import FusedLayerNorm
+from apex.contrib.layer_norm.layer_norm import FastLayerNormFN
+import fused_dense_cuda
+x, w, b = torch.randn(4, 8), torch.rand(8) + 0.5, torch.randn(8)
+want = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+norm = FusedLayerNorm(8, eps=1e-5)
+with torch.no_grad():
+    norm.weight.copy_(w), norm.bias.copy_(b)
+main_grad = torch.zeros(3, 8)
+fused_dense_cuda.wgrad_gemm_accum_fp32(x, torch.ones(4, 3), main_grad)
+print(torch.allclose(norm(x), want, atol=1e-6), torch.allclose(FastLayerNormFN.apply(x, w, b, 1e-5), want),
+      torch.allclose(main_grad, torch.ones(4, 3).t() @ x, atol=1e-6))
 """
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["True"] * 4
+    assert proc.stdout.split() == ["True"] * 7
