@@ -1042,3 +1042,55 @@ def test_no_compile_starts_inside_a_cuda_graph_capture(compiled, monkeypatch):
     monkeypatch.setattr(rp, "_capturing", lambda device: False)
     run_forward_backward(rp.ScaledSoftmax.apply, x, 0.5)
     assert len(rp._COMPILED) == 2 and all(fn is not None for fn in rp._COMPILED.values())
+
+
+def _tiny_megatron(root: Path, files: dict) -> None:
+    """A throwaway ``megatron`` package under ``root`` with the given modules' sources."""
+    for name, text in {"megatron/__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(root).parents:
+            init = root / parent / "__init__.py"
+            if parent != Path(".") and not init.exists():
+                init.write_text("")
+        path.write_text(text)
+
+
+@pytest.fixture
+def tiny_megatron(tmp_path, monkeypatch):
+    """Import a throwaway ``megatron`` (with the port's after-import finder active), then forget it."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield lambda files: _tiny_megatron(tmp_path, files)
+    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+        del sys.modules[name]
+
+
+def test_inpainting_of_2022_imports_and_calls_resize(rp, tiny_megatron):
+    """Upstream 2022-02..2023-09: inpainting.py imports resize_, utils.py defines resize, forward calls resize."""
+    tiny_megatron({
+        "megatron/model/vision/utils.py": "def resize(x, size=None):\n    return ('resized', x, size)\n",
+        "megatron/model/vision/inpainting.py": "from megatron.model.vision.utils import resize_\n\n"
+                                                "def forward(x):\n    return resize(x, size=2)\n",
+    })
+    inpainting = importlib.import_module("megatron.model.vision.inpainting")
+    assert inpainting.forward(1) == ("resized", 1, 2)
+
+
+def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, monkeypatch):
+    """Without TE and apex, clip_grads' local fallbacks (bf16 norms in bf16) give way to the port's."""
+    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
+    tiny_megatron({
+        "megatron/core/utils.py": "def local_multi_tensor_applier(op, flag, lists, *args):\n    return 'local'\n"
+                                  "local_multi_tensor_l2_norm = local_multi_tensor_scale = local_multi_tensor_applier\n",
+        "megatron/core/optimizer/clip_grads.py": "from megatron.core.utils import local_multi_tensor_applier as "
+                                                 "multi_tensor_applier, local_multi_tensor_l2_norm as l2_norm_impl, "
+                                                 "local_multi_tensor_scale as multi_tensor_scale_impl\n",
+    })
+    clip = importlib.import_module("megatron.core.optimizer.clip_grads")
+    # (by name: every rocm_port module these tests load installs its own finder)
+    for name, port in (("multi_tensor_applier", rp.multi_tensor_applier), ("l2_norm_impl", rp.amp_C.multi_tensor_l2norm),
+                       ("multi_tensor_scale_impl", rp.amp_C.multi_tensor_scale)):
+        assert getattr(clip, name).__qualname__ == port.__qualname__, name
+    grads = [torch.full((3,), 2.0, dtype=torch.bfloat16), torch.ones(5, dtype=torch.bfloat16)]
+    norm, _ = clip.multi_tensor_applier(clip.l2_norm_impl, torch.zeros(1, dtype=torch.int), [grads], False)
+    assert norm.dtype == torch.float32 and abs(norm.item() - 17 ** 0.5) < 1e-6
