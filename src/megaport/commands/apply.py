@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from megaport.catalogue import load_catalogue
 from megaport.errors import MegaportError
-from megaport.git import BlobReader, is_dirty, rev_parse
+from megaport.git import BlobReader, is_dirty
 from megaport.porttree import (
     PatchRecord,
     PortState,
@@ -25,7 +25,7 @@ from megaport.porttree import (
     move_into_place,
     read_state,
     start_staging,
-    write_changes,
+    switch_to_series,
     write_state,
 )
 from megaport.store import ResolvedRef, Store
@@ -139,8 +139,8 @@ def _write_tree(
         branch = branch_name(choice.series.name)
         commits = commit_plan(staging.tmp, plan, resolved.sha, branch, modes)
         staging.checkout.wait()
-        write_changes(staging.tmp, plan, modes, branch)
-        head = rev_parse(staging.tmp, "HEAD")
+        switch_to_series(staging.tmp, branch)
+        head = commits[-1] if commits else resolved.sha
         write_state(staging.tmp, _state(resolved, choice, branch, commits, changed, head))
         move_into_place(staging.tmp, dest)
     except BaseException:
