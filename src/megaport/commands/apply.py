@@ -48,13 +48,13 @@ class ApplyOptions:
 
 def apply(options: ApplyOptions, make_console: Callable) -> int:
     """Port one upstream commit; exit code 0 when DEST holds the ported tree (or a dry run fits)."""
-    catalogue = load_catalogue(options.patches)
     store = Store()
     resolved = store.resolve(options.repo, options.ref)
     dest = options.dest.expanduser().absolute()
     staging = None if options.dry_run or _in_use(dest) else start_staging(store, resolved, dest)
     upstream = None
     try:
+        catalogue = load_catalogue(options.patches)  # while git checks out
         from megaport.report import render_plan
 
         console = make_console()
