@@ -132,11 +132,21 @@ class GitError(MegaportError):
 
     @classmethod
     def from_result(cls, args: Sequence[str], returncode: int, stderr: str) -> GitError:
-        sub = next((a for a in args if not a.startswith("-")), "git")
         reason = git_reason(stderr) or f"exit status {returncode}"
         return cls(
-            f"git {sub} failed: {reason}", args=args, returncode=returncode, stderr=stderr
+            f"git {_subcommand(args)} failed: {reason}", args=args, returncode=returncode, stderr=stderr
         )
+
+
+def _subcommand(args: Sequence[str]) -> str:
+    """The git command ``args`` run: the first word that is neither an option nor a ``-c`` value."""
+    words = iter(args)
+    for word in words:
+        if word == "-c":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return "git"
 
 
 def git_reason(stderr: str) -> str:
