@@ -6,7 +6,9 @@
 Every side starts from megaport's cached bare repository (no network anywhere) and ends with the
 upstream commit checked out in a new repository:
 
-* megaport: the whole CLI in a fresh process, as a user runs it (`python -m megaport.cli apply`);
+* megaport: the whole CLI in a fresh process, as a user runs it (`python -m megaport.cli apply`),
+  with its modules' bytecode as pip leaves it (PYTHONDONTWRITEBYTECODE, which some sandboxes set,
+  is dropped: in an editable install it would recompile megaport's modules on every run);
 * git am: `git clone --shared --no-checkout` of the cache, `git checkout -b megaport/<series>` of
   the commit, `git am` of the patches megaport applied. It gives what megaport gives, one commit
   per patch on a branch: the fair baseline;
@@ -58,9 +60,10 @@ class Bench:
         self.repo, self.ref, self.work = repo, ref, work
         self.megaport = [sys.executable, "-m", "megaport.cli", "apply", "--ref", ref, "--repo", repo]
         self.megaport += ["--series", series] if series else []
-        # Warm the cache and learn which patches apply.
+        self.megaport_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        # Warm the cache (and the bytecode) and learn which patches apply.
         report_file = work / "report.json"
-        run([*self.megaport, "--dry-run", "--json", str(report_file)])
+        run([*self.megaport, "--dry-run", "--json", str(report_file)], env=self.megaport_env)
         report = json.loads(report_file.read_text())
         self.series = load_catalogue().get(report["series"])
         self.patches = [str(self.series.directory / p["name"]) for p in report["patches"] if p["status"] == "applied"]
@@ -75,7 +78,7 @@ class Bench:
 
     def run_megaport(self) -> float:
         dest = self._dest("megaport")
-        took = timed(lambda: run([*self.megaport, "--dest", str(dest)]))
+        took = timed(lambda: run([*self.megaport, "--dest", str(dest)], env=self.megaport_env))
         shutil.rmtree(dest)
         return took
 
