@@ -2,13 +2,13 @@
 
 GitPython (:func:`open_repo`) answers where it costs no speed: first-parent lines
 (:func:`first_parent`), ancestry (:func:`is_ancestor`) and the parsing of a fetch's progress
-lines (:mod:`megaport.progress`). ``megaport apply`` must cost
-little more than ``git am``, and on its path GitPython costs what apply cannot spare: importing it
-and opening a ``Repo`` (two ``git version`` runs) took 72-88 ms of CPU and 115-200 ms of wall time
-before the first object was read, against 23-30 ms and 6-20 ms for a plain ``git cat-file
---batch`` (both including Python's own start, 22 ms of CPU; this 2-core machine, loaded, 8 runs
-each). So what apply uses runs git directly, and each function whose output megaport parses by
-hand says why in its docstring, with the figure: the object reader (:class:`ObjectReader`, commit
+lines (:mod:`megaport.progress`). ``megaport apply`` must cost little more than ``git am``, and
+on its path GitPython costs what apply cannot spare: importing it and opening a ``Repo`` (two
+``git version`` runs) took 72-88 ms of CPU and 115-200 ms of wall time before the first object
+was read, against 23-30 ms and 6-20 ms for a plain ``git cat-file --batch`` (both including
+Python's own start, 22 ms of CPU; this 2-core machine, loaded, 8 runs each). So what apply uses
+runs git directly, and each function whose output megaport parses by hand says why in its
+docstring, with the figure: the object reader (:class:`ObjectReader`, commit
 headers and tree entries included), ref listings (:func:`list_refs`), rename detection
 (:func:`renamed_paths`), commits written by :func:`fast_import`.
 
