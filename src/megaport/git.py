@@ -9,8 +9,9 @@ was read, against 23-30 ms and 6-20 ms for a plain ``git cat-file --batch`` (bot
 Python's own start, 22 ms of CPU; this 2-core machine, loaded, 8 runs each). So what apply uses
 runs git directly, and each function whose output megaport parses by hand says why in its
 docstring, with the figure: the object reader (:class:`ObjectReader`, commit
-headers and tree entries included), ref listings (:func:`list_refs`), rename detection
-(:func:`renamed_paths`), commits written by :func:`fast_import`.
+headers and tree entries included), ref listings (:func:`list_refs`), file listings
+(:func:`ls_tree_paths`), rename detection (:func:`renamed_paths`), commits written by
+:func:`fast_import`.
 
 Every command goes through :func:`run_git` (or :class:`BackgroundGit`, :func:`stream_git`), which
 
@@ -474,6 +475,9 @@ def ls_tree_paths(repo: str | os.PathLike[str], commit: str, prefix: str = "") -
     ``prefix`` limits the listing to a directory (``"megatron/core"``) or one file; it is a
     path, not a string prefix (``"megatron/co"`` matches nothing). Paths are relative to
     the repository root, in git's order.
+
+    Hand-parsed ``ls-tree -z --name-only`` (NUL-separated paths): upstream main's 3,136 files took
+    7 ms, GitPython's ``Tree.traverse()`` 197 ms (it reads every tree object in Python).
     """
     args = ["ls-tree", "-r", "-z", "--name-only", "--full-tree", commit]
     prefix = prefix.strip("/")
