@@ -235,8 +235,8 @@ def test_a_move_is_found_once_and_followed_on_every_later_ref(tmp_path, monkeypa
         commit(repo, {"megatron/core/f.py": f"n = {n}\n"}, f"later {n}")
     catalogue = demo_catalogue(tmp_path / "catalogue", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
     diffs = []
-    real_run_git = renames.run_git
-    monkeypatch.setattr(renames, "run_git", lambda args, *a, **k: diffs.append(args) or real_run_git(args, *a, **k))
+    real_renamed_paths = renames.renamed_paths
+    monkeypatch.setattr(renames, "renamed_paths", lambda *args: diffs.append(args) or real_renamed_paths(*args))
 
     code, report = drift_json(repo, catalogue, "long", extra=("--last", "7"))
 
@@ -245,7 +245,7 @@ def test_a_move_is_found_once_and_followed_on_every_later_ref(tmp_path, monkeypa
         (hunk,) = {p["name"]: p["hunks"] for p in entry["patches"]}["0005-e.patch"]
         assert hunk["status"] == "missing" and hunk["new_path"] == "megatron/core/moved/e.py"
         assert "git rename detection" in hunk["reason"]
-    assert len([args for args in diffs if args[0] == "diff"]) == 1
+    assert len(diffs) == 1
 
 
 def test_a_renamed_file_is_found_by_name_without_a_commit_to_compare(upstream, tmp_path):

@@ -3,28 +3,37 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 from rich.progress import Progress
-from support.gitrepos import bare_clone, branch, commit, git, make_repo
+from support.gitrepos import bare_clone, branch, commit, git, make_repo, tag
 
 from megaport.errors import MegaportError
 from megaport.git import (
     BlobReader,
     GitError,
     ObjectReader,
+    changed_files,
+    checkout_branch,
+    fast_import,
+    first_parent,
     git_env,
     git_reason,
     has_commit,
     is_ancestor,
     is_dirty,
     is_shallow,
+    list_refs,
     ls_tree_paths,
+    merge_file,
+    renamed_paths,
     rev_parse,
     run_git,
+    stream_git,
 )
 from megaport.progress import RichProgress, run_git_with_progress
 
@@ -183,6 +192,89 @@ def test_ls_tree_paths(repo: Path) -> None:
         pass
     # independent of the working directory inside the repository
     assert ls_tree_paths(repo / "pkg", first, "pkg/core") == ["pkg/core/mod.py", "pkg/core/util.py"]
+
+
+def test_is_shallow_outside_a_repository(tmp_path: Path) -> None:
+    with pytest.raises(GitError, match="not a git repository"):
+        is_shallow(tmp_path)
+
+
+def test_list_refs_peels_annotated_tags_and_skips_what_is_not_a_commit(repo: Path) -> None:
+    first, second = git(repo, "rev-parse", "HEAD~1"), git(repo, "rev-parse", "HEAD")
+    tag(repo, "v1.10", second, message="annotated")
+    tag(repo, "v1.9", first)
+    git(repo, "tag", "tree-tag", git(repo, "rev-parse", "HEAD^{tree}"))
+    assert list_refs(repo, ["refs/tags/"], sort="version:refname") == [
+        ("refs/tags/v1", first), ("refs/tags/v1.9", first), ("refs/tags/v1.10", second),
+    ]  # fmt: skip
+    # several patterns at once; a pattern is a full name or a prefix ending at a "/"
+    assert dict(list_refs(repo, ["refs/heads/main", "refs/tags/v1.1", "refs/tags/v1.10"])) == {
+        "refs/heads/main": second, "refs/tags/v1.10": second,
+    }  # fmt: skip
+    assert list_refs(repo, ["refs/megaport/"]) == []
+
+
+def test_first_parent(repo: Path) -> None:
+    first, second = git(repo, "rev-parse", "HEAD~1"), git(repo, "rev-parse", "HEAD")
+    branch(repo, "side", first)
+    assert first_parent(repo, "main") == [second, first]
+    assert first_parent(repo, "main", count=1) == [second]
+    assert first_parent(repo, "main", exclude="side") == [second]
+    with pytest.raises(GitError):
+        first_parent(repo, "no-such-branch")
+
+
+def test_renamed_paths_and_changed_files(repo: Path) -> None:
+    before = git(repo, "rev-parse", "HEAD")
+    git(repo, "mv", "pkg/core/mod.py", "pkg/moved.py")
+    after = commit(repo, {}, "move", delete=["crlf.txt"])
+    assert renamed_paths(repo, before, after) == {"pkg/core/mod.py": "pkg/moved.py", "crlf.txt": None}
+    assert renamed_paths(repo, after, after) == {}
+    assert changed_files(repo, after, ["README.md", "pkg/moved.py"]) == []
+    (repo / "pkg/moved.py").write_text("x = 2\n")
+    assert changed_files(repo, after, ["README.md", "pkg/moved.py"]) == ["pkg/moved.py"]
+    assert changed_files(repo, before, ["README.md", "pkg"]) == ["pkg/core/mod.py", "pkg/moved.py"]
+
+
+def test_merge_file() -> None:
+    base = b"a\nb\nc\nd\ne\n"
+    assert merge_file(b"A\nb\nc\nd\ne\n", base, b"a\nb\nc\nd\nE\n") == (b"A\nb\nc\nd\nE\n", 0)
+    assert merge_file(b"a\nX\nc\nd\ne\n", base, b"a\nY\nc\nd\ne\n") == (None, 1)
+
+
+def test_fast_import_returns_the_marked_commits(repo: Path) -> None:
+    parent = git(repo, "rev-parse", "HEAD")
+    stream = (f"reset refs/heads/port\nfrom {parent}\n\n".encode()
+              + b"commit refs/heads/port\nmark :1\ncommitter A <a@b> 0 +0000\ndata 3\none\n"
+              + b"M 100755 inline run.sh\ndata 3\nx\r\n\n"
+              + b"commit refs/heads/port\nmark :2\ncommitter A <a@b> 0 +0000\ndata 3\ntwo\n"
+              + b"D README.md\n\n")  # fmt: skip
+    marks = fast_import(repo, stream)
+    assert list(marks) == [":1", ":2"]
+    assert git(repo, "rev-parse", "port") == marks[":2"]
+    assert git(repo, "rev-parse", "port~1") == marks[":1"] and git(repo, "rev-parse", "port~2") == parent
+    assert fast_import(repo, f"reset refs/heads/same\nfrom {parent}\n\n".encode()) == {}
+    assert git(repo, "rev-parse", "same") == parent
+    with pytest.raises(GitError, match="fast-import"):
+        fast_import(repo, b"commit refs/heads/bad\nnonsense\n")
+    # a switch to the branch writes its files, modes and bytes as committed
+    checkout_branch(repo, "port")
+    assert (repo / "run.sh").read_bytes() == b"x\r\n" and os.access(repo / "run.sh", os.X_OK)
+    assert not (repo / "README.md").exists() and not is_dirty(repo)
+    assert git(repo, "symbolic-ref", "HEAD") == "refs/heads/port"
+    (repo / "run.sh").write_bytes(b"local change\n")  # main has no run.sh
+    with pytest.raises(GitError, match="local changes"):  # never over local changes
+        checkout_branch(repo, "main")
+    assert (repo / "run.sh").read_bytes() == b"local change\n"
+
+
+def test_stream_git_hands_over_lines_as_they_come(repo: Path) -> None:
+    lines: list[str] = []
+    code, out = stream_git(["rev-parse", "--verify", "HEAD", "nope"], repo, lines.append)
+    assert code != 0 and out == ""
+    assert lines and all("\n" not in line for line in lines)
+    code, out = stream_git(["rev-parse", "HEAD"], repo, lines.append)
+    assert code == 0 and out.strip() == git(repo, "rev-parse", "HEAD")
 
 
 # -- BlobReader ------------------------------------------------------------------------

@@ -2,16 +2,15 @@
 
 The upstream commit is checked out into a temporary directory beside DEST in the background
 while megaport plans the series (git writes files while Python computes). A successful plan is
-then committed in one ``git fast-import`` run (one commit per patch on ``megaport/<series>``), its
-few changed files are written over the checkout, and the directory is renamed into place: a
-failure at any step leaves no DEST behind. The tree records the upstream commit, the
+then committed in one ``git fast-import`` run (one commit per patch on ``megaport/<series>``), git
+switches the checkout to that branch (writing only the few changed files), and the directory is
+renamed into place: a failure at any step leaves no DEST behind. The tree records the upstream commit, the
 series and each patch's hash in ``.git/megaport/state.json`` (and ``refs/megaport/upstream``), so
 ``status`` needs no network and no catalogue.
 """
 
 from __future__ import annotations
 
-import email.utils
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from megaport import __version__
 from megaport.errors import MegaportError
-from megaport.git import BackgroundGit, BlobReader, is_dirty, rev_parse, run_git
+from megaport.git import BackgroundGit, BlobReader, checkout_branch, fast_import, is_dirty, rev_parse
 
 if TYPE_CHECKING:  # the engine loads while the background checkout runs, not before it starts
     from megaport.plan import SeriesPlan
@@ -108,10 +107,11 @@ def file_modes(tree: BlobReader, paths: list[str]) -> dict[str, str]:
 
 
 def fast_import_stream(plan: SeriesPlan, parent: str, branch: str, modes: dict[str, str]) -> bytes:
-    """The fast-import input that makes one commit per changed patch, in series order."""
-    out = bytearray()
-    first = True
+    """The fast-import input that makes one commit per changed patch, in series order, marked
+    ``:1``, ``:2``...; with no changed patch the branch is the upstream commit itself."""
+    out = bytearray(f"reset refs/heads/{branch}\nfrom {parent}\n\n".encode())
     by_name = {p.name: p for p in plan.parsed}
+    mark = 0
     for patch_plan in plan.patches:
         if patch_plan.result is None or not patch_plan.result.changes:
             continue
@@ -119,12 +119,10 @@ def fast_import_stream(plan: SeriesPlan, parent: str, branch: str, modes: dict[s
         when = _timestamp(patch.date)
         author = patch.author or COMMITTER
         message = (patch.subject + ("\n\n" + patch.message.strip() if patch.message.strip() else "") + "\n").encode()
-        out += f"commit refs/heads/{branch}\n".encode()
+        mark += 1
+        out += f"commit refs/heads/{branch}\nmark :{mark}\n".encode()
         out += f"author {author} {when} +0000\ncommitter {COMMITTER} {when} +0000\n".encode()
         out += b"data %d\n" % len(message) + message
-        if first:
-            out += f"from {parent}\n".encode()
-            first = False
         for path, content in sorted(patch_plan.result.changes.items()):
             if content is None:
                 out += b"D " + _quote(path) + b"\n"
@@ -137,13 +135,25 @@ def fast_import_stream(plan: SeriesPlan, parent: str, branch: str, modes: dict[s
 
 
 def _timestamp(date: str | None) -> int:
-    """Author date of a patch as a Unix time; fixed dates make the ported commits reproducible."""
-    if date:
-        try:
-            return int(email.utils.parsedate_to_datetime(date).timestamp())
-        except (TypeError, ValueError):
-            pass
-    return 0
+    """Author date of a patch as a Unix time; fixed dates make the ported commits reproducible.
+
+    format-patch writes RFC 2822 dates in English (``Tue, 1 Nov 2022 10:00:00 +0100``), which
+    ``datetime`` reads; ``email.utils`` (its imports cost apply's start-up ~5 ms) reads the rest.
+    """
+    if not date:
+        return 0
+    from datetime import datetime
+
+    try:
+        return int(datetime.strptime(date.strip(), "%a, %d %b %Y %H:%M:%S %z").timestamp())
+    except ValueError:
+        pass
+    import email.utils
+
+    try:
+        return int(email.utils.parsedate_to_datetime(date).timestamp())
+    except (TypeError, ValueError):
+        return 0
 
 
 def _quote(path: str) -> bytes:
@@ -157,13 +167,8 @@ def _quote(path: str) -> bytes:
 
 def commit_plan(repo: Path, plan: SeriesPlan, parent: str, branch: str, modes: dict[str, str]) -> list[str]:
     """Write the plan's commits with one fast-import run; return the commit of each changed patch."""
-    stream = fast_import_stream(plan, parent, branch, modes)
-    if stream:
-        run_git(["fast-import", "--quiet", "--done"], repo, input=stream + b"done\n", text=False)
-    else:
-        run_git(["update-ref", f"refs/heads/{branch}", parent], repo)
-    log = run_git(["rev-list", "--reverse", f"{parent}..refs/heads/{branch}"], repo).stdout.split()
-    return log
+    marks = fast_import(repo, fast_import_stream(plan, parent, branch, modes))
+    return [marks[f":{n}"] for n in range(1, len(marks) + 1)]
 
 
 @dataclass
@@ -191,37 +196,11 @@ def start_staging(store, resolved, dest: Path) -> Staging:
         raise
 
 
-def final_changes(plan: SeriesPlan) -> dict[str, bytes | None]:
-    """Each changed path's content after the whole series (None: deleted)."""
-    final: dict[str, bytes | None] = {}
-    for patch_plan in plan.patches:
-        if patch_plan.result is not None:
-            final.update(patch_plan.result.changes)
-    return final
-
-
-def write_changes(tree: Path, plan: SeriesPlan, modes: dict[str, str], branch: str) -> None:
-    """Lay the series' files over the upstream checkout and point HEAD at the series branch."""
-    root = tree.resolve()
-    changes = final_changes(plan)
-    for path, content in sorted(changes.items()):
-        target = tree / path
-        if not str(target.parent.resolve()).startswith(str(root) + os.sep) and target.parent.resolve() != root:
-            raise MegaportError(f"refusing to write outside the tree: {path}")
-        if content is None:
-            target.unlink(missing_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
-        target.chmod(0o755 if modes.get(path) == "100755" else 0o644)
-    listing = "".join(f"{path}\0" for path in sorted(changes))
+def switch_to_series(tree: Path, branch: str) -> None:
+    """Move the finished upstream checkout onto the series branch: git writes the files the
+    series changed (with their modes) and points HEAD at the branch."""
     _index_after_checkout(tree)
-    run_git(["update-index", "--add", "--remove", "-z", "--stdin"], tree, input=listing)
-    run_git(["symbolic-ref", "HEAD", f"refs/heads/{branch}"], tree)
-    # The index against the series commit (not the work tree: files just written are "racily
-    # clean" to git, and comparing them would re-read the whole checkout).
-    if run_git(["diff-index", "--cached", "--quiet", "HEAD", "--"], tree, check=False).returncode != 0:
-        raise MegaportError("internal error: the written tree differs from the series commit; please report it")
+    checkout_branch(tree, branch)
 
 
 def _index_after_checkout(tree: Path) -> None:
@@ -229,9 +208,9 @@ def _index_after_checkout(tree: Path) -> None:
     racy-clean re-hash of all of them.
 
     Git re-reads every file whose mtime is not older than the index (it cannot tell a same-second
-    edit from the checkout itself). Nothing but megaport touched this private tree since the
-    checkout, and the paths megaport rewrote are re-staged right after, so their stat data is
-    fresh; the index written then carries the real time again for every later git command.
+    edit from the checkout itself). Nothing touched this private tree since the checkout, and the
+    files the switch to the series branch writes get fresh stat data in the index it writes, which
+    carries the real time again for every later git command.
     """
     index = tree / ".git" / "index"
     newest = max(index.stat().st_mtime, time.time()) + 1

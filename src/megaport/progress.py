@@ -8,16 +8,15 @@ Git reports progress on stderr as lines ended by ``\\r`` (updates) or ``\\n`` (f
 
 GitPython's :class:`~git.util.RemoteProgress` parses those lines (its ``update`` gets the phase,
 counts and message; other lines it keeps as ``error_lines``/``other_lines``); :class:`RichProgress`
-draws one bar per phase. :func:`run_git_with_progress` runs the git command and feeds its stderr
-to it. The store decides *when* to show progress; this module only knows *how*.
+draws one bar per phase. :func:`run_git_with_progress` runs the git command
+(:func:`megaport.git.stream_git`) and feeds its stderr to it. The store decides *when* to show
+progress; this module only knows *how*.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import threading
 from collections.abc import Mapping, Sequence
 
 from git.util import RemoteProgress
@@ -31,7 +30,7 @@ from rich.progress import (
     TextColumn,
 )
 
-from megaport.git import GitError, git_command, git_env
+from megaport.git import GitError, git_command, stream_git
 
 __all__ = ["RichProgress", "run_git_with_progress"]
 
@@ -87,9 +86,7 @@ def run_git_with_progress(
     lines; raises :class:`~megaport.git.GitError` on failure when ``check`` is true, with
     the same message :func:`megaport.git.run_git` would give.
     """
-    argv = git_command(args)
     console = console or Console(stderr=True)
-    out: list[bytes] = []
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -99,40 +96,8 @@ def run_git_with_progress(
     )
     with Progress(*columns, console=console, transient=True) as bar:
         progress = RichProgress(bar, description)
-        handle = progress.new_message_handler()
-        try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=cwd,
-                env=git_env(env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        except FileNotFoundError as exc:
-            raise GitError("git is not installed or not on PATH; install git and retry") from exc
-        assert proc.stdout is not None and proc.stderr is not None
-        reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
-        reader.start()
-        # Split on \r as well as \n, so that every update moves a bar as git prints it:
-        # GitPython's own pump (handle_process_output) reads by \n only, at the end of each phase.
-        pending = b""
-        fd = proc.stderr.fileno()
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            *lines, pending = re.split(rb"[\r\n]", pending + chunk)
-            for raw in lines:
-                if raw.strip():
-                    handle(raw.decode("utf-8", "replace"))
-        if pending.strip():
-            handle(pending.decode("utf-8", "replace"))
-        proc.stderr.close()
-        returncode = proc.wait()
-        reader.join()
-    stdout = b"".join(out).decode("utf-8", "surrogateescape")
+        returncode, stdout = stream_git(args, cwd, progress.new_message_handler(), env=env)
     stderr = progress.messages()
     if check and returncode != 0:
         raise GitError.from_result(list(args), returncode, stderr)
-    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+    return subprocess.CompletedProcess(git_command(args), returncode, stdout, stderr)

@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from megaport.errors import MegaportError
-from megaport.git import GitError, is_shallow, rev_parse, run_git
+from megaport.git import GitError, checkout_branch, first_parent, is_shallow, list_refs, rev_parse, run_git
 
 __all__ = ["CachedHistory", "ResolvedRef", "Store", "default_home", "normalize_url"]
 
@@ -155,25 +155,12 @@ class CachedHistory:
     def refs(self, prefix: str = "refs/tags/") -> list[tuple[str, str]]:
         """``(full ref name, commit)`` of every ref under ``prefix`` that names a commit, in
         version order (release candidates before their release), from one ``for-each-ref``."""
-        lines = run_git(
-            [*_PRERELEASES, "for-each-ref", "--sort=version:refname",
-             "--format=%(refname) %(objecttype) %(objectname) %(*objecttype) %(*objectname)", prefix],
-            self.repo,
-        ).stdout.splitlines()
-        found = []
-        for line in lines:
-            name, kind, sha, peeled_kind, peeled = (line.split(" ") + ["", ""])[:5]
-            if kind == "commit":
-                found.append((name, sha))
-            elif peeled_kind == "commit":  # an annotated tag
-                found.append((name, peeled))
-        return found
+        return list_refs(self.repo, [prefix], sort="version:refname", config=_PRERELEASES)
 
     def first_parent(self, tip: str, *, exclude: str | None = None, count: int | None = None) -> list[str]:
         """The commits on ``tip``'s first-parent line, newest first, at most ``count``, stopping
         before those ``exclude`` has."""
-        args = ["rev-list", "--first-parent", *([f"--max-count={count}"] if count is not None else []), tip]
-        return run_git(args + ([f"^{exclude}"] if exclude else []), self.repo).stdout.split()
+        return first_parent(self.repo, tip, exclude=exclude, count=count)
 
 
 class Store:
@@ -270,28 +257,45 @@ class Store:
     def _resolve_in(self, repo: Path, url: str, ref: str, show: bool, *, first: bool) -> str:
         """Find (fetching as needed) the commit of ``ref`` in ``repo`` and pin it.
         Raises :class:`_RefNotFound` or :class:`MegaportError`."""
-        sha = self._find(repo, url, ref, show, first=first)
-        run_git(["update-ref", f"{_PIN_PREFIX}{sha}", sha], repo)
+        cached = None if first else self._cached(repo, ref)
+        if cached is not None:
+            sha, pinned = cached
+        else:
+            sha, pinned = self._find(repo, url, ref, show, first=first), False
+        if not pinned:
+            run_git(["update-ref", f"{_PIN_PREFIX}{sha}", sha], repo)
         return sha
 
+    @staticmethod
+    def _cached(repo: Path, ref: str) -> tuple[str, bool] | None:
+        """``(commit, already pinned)`` for an immutable name the cache has (a full sha, a tag,
+        an abbreviated sha), without network; None when ``ref`` must be fetched.
+
+        One ``for-each-ref`` answers for the name as a branch, as a tag and for the pins (a
+        warm apply of a tag runs only it): a name that is also a branch is a branch, as when
+        fetching, since it may move.
+        """
+        full = _FULL_SHA.fullmatch(ref) is not None
+        if full:
+            patterns = [f"{_PIN_PREFIX}{ref.lower()}"]
+        elif ref.startswith("refs/tags/"):
+            patterns = [ref, _PIN_PREFIX]
+        elif not ref.startswith("refs/"):
+            patterns = [f"refs/heads/{ref}", f"refs/tags/{ref}", _PIN_PREFIX]
+        else:
+            return None
+        found = dict(list_refs(repo, patterns))
+        if f"refs/heads/{ref}" in found:
+            return None
+        sha = found.get(ref if ref.startswith("refs/tags/") else f"refs/tags/{ref}")
+        if sha is None and (full or _ABBREV_SHA.fullmatch(ref)):
+            sha = found.get(f"{_PIN_PREFIX}{ref.lower()}") or rev_parse(repo, f"{ref.lower() if full else ref}^{{commit}}")
+        if sha is None:
+            return None
+        return sha, found.get(f"{_PIN_PREFIX}{sha}") == sha
+
     def _find(self, repo: Path, url: str, ref: str, show: bool, *, first: bool) -> str:
-        # 1. Immutable names already here: no network.
-        if not first:
-            if _FULL_SHA.fullmatch(ref):
-                sha = rev_parse(repo, f"{ref.lower()}^{{commit}}")
-                if sha:
-                    return sha
-            elif ref.startswith("refs/tags/"):
-                sha = rev_parse(repo, f"{ref}^{{commit}}")
-                if sha:
-                    return sha
-            elif not ref.startswith("refs/") and rev_parse(repo, f"refs/heads/{ref}") is None:
-                # (a name that is also a branch is a branch, as when fetching: it may move)
-                sha = rev_parse(repo, f"refs/tags/{ref}^{{commit}}")
-                if sha is None and _ABBREV_SHA.fullmatch(ref):
-                    sha = rev_parse(repo, f"{ref}^{{commit}}")
-                if sha:
-                    return sha
+        # 1. Immutable names already here, without network: see _cached.
 
         # 2. A shallow fetch of exactly what the ref names (depth 1 unless the cache already
         #    holds full history, where an incremental fetch is as cheap and keeps it complete).
@@ -407,11 +411,6 @@ class Store:
         try:
             run_git(["init", "--quiet", str(dest)], dest.parent)
             with self._locked(resolved.repo):
-                if rev_parse(resolved.repo, f"{resolved.sha}^{{commit}}") is None:
-                    raise MegaportError(
-                        f"commit {resolved.sha} is not in the cache {resolved.repo}; "
-                        "resolve the ref again"
-                    )
                 _link_objects(resolved.repo / "objects", gitdir / "objects")
                 shallow = resolved.repo / "shallow"
                 if shallow.exists():
@@ -425,7 +424,10 @@ class Store:
                     f"\turl = {_config_quote(resolved.url)}\n"
                     "\tfetch = +refs/heads/*:refs/remotes/origin/*\n"
                 )
-            run_git(["update-ref", "refs/megaport/upstream", resolved.sha], dest)
+            # update-ref refuses an object the repository lacks: the check that the commit is
+            # (still) in the cache, without a rev-parse run of its own.
+            if run_git(["update-ref", "refs/megaport/upstream", resolved.sha], dest, check=False).returncode:
+                raise MegaportError(f"commit {resolved.sha} is not in the cache {resolved.repo}; resolve the ref again")
         except BaseException:
             shutil.rmtree(gitdir if existed else dest, ignore_errors=True)
             raise
@@ -434,7 +436,7 @@ class Store:
     def check_out(worktree: Path | str, branch: str) -> None:
         """Check out the existing ``branch`` in ``worktree`` (made by :meth:`init_from_cache`),
         writing every file byte-exact; the work tree must have no conflicting files."""
-        run_git(["checkout", "--quiet", branch, "--"], worktree)
+        checkout_branch(worktree, branch)
 
     # -- locking ---------------------------------------------------------------------
     @contextlib.contextmanager

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from megaport.catalogue import load_catalogue
 from megaport.errors import MegaportError
-from megaport.git import run_git
+from megaport.git import changed_files
 from megaport.porttree import PortState, read_state
 from megaport.report import write_json
 
@@ -52,8 +52,7 @@ def changed_patched_files(tree: Path, state: PortState) -> list[str]:
     """Patched files that differ from the port's last commit, committed or not."""
     if not state.files:
         return []
-    diff = run_git(["diff", "--name-only", state.head, "--", *state.files], tree).stdout.split("\n")
-    return sorted(path for path in diff if path)
+    return changed_files(tree, state.head, state.files)
 
 
 def catalogue_drift(state: PortState, patches: str | None) -> str:

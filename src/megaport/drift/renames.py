@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from megaport.engine.blob import git_blob_id
-from megaport.git import ObjectReader, ls_tree_paths, run_git
+from megaport.git import ObjectReader, ls_tree_paths, renamed_paths
 
 #: A same-name file must be at least this similar to count as the moved file.
 MIN_SIMILARITY = 0.5
@@ -111,22 +111,7 @@ class MoveFinder:
         """Old path -> new path (renamed) or None (deleted), from base to sha."""
         key = (base, sha)
         if key not in self._renames:
-            out = run_git(
-                ["diff", "--no-ext-diff", "--name-status", "-z", "--find-renames", "--diff-filter=DR", base, sha],
-                self.repo,
-            ).stdout
-            fields = [f for f in out.split("\0")]
-            result: dict[str, Optional[str]] = {}
-            i = 0
-            while i < len(fields) and fields[i]:
-                status = fields[i]
-                if status.startswith("R") and i + 2 < len(fields):
-                    result[fields[i + 1]] = fields[i + 2]
-                    i += 3
-                else:
-                    result.setdefault(fields[i + 1], None)
-                    i += 2
-            self._renames[key] = result
+            self._renames[key] = renamed_paths(self.repo, base, sha)
         return self._renames[key]
 
     def _same_name(
