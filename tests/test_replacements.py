@@ -1094,3 +1094,16 @@ def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, 
     grads = [torch.full((3,), 2.0, dtype=torch.bfloat16), torch.ones(5, dtype=torch.bfloat16)]
     norm, _ = clip.multi_tensor_applier(clip.l2_norm_impl, torch.zeros(1, dtype=torch.int), [grads], False)
     assert norm.dtype == torch.float32 and abs(norm.item() - 17 ** 0.5) < 1e-6
+
+
+def test_rope_fusion_is_switched_off_before_upstreams_checks(rp, tiny_megatron, monkeypatch, capsys):
+    """core 0.8 on: TransformerConfig raises when apply_rope_fusion (on by default) finds no fused kernel."""
+    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
+    rp._SAID.clear()
+    tiny_megatron({"megatron/core/transformer/transformer_config.py": (
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass TransformerConfig:\n"
+        "    apply_rope_fusion: bool = True\n\n    def __post_init__(self):\n"
+        "        if self.apply_rope_fusion:\n            raise ValueError('apply_rope_fusion is not available')\n")})
+    config = importlib.import_module("megatron.core.transformer.transformer_config").TransformerConfig()
+    assert config.apply_rope_fusion is False
+    assert "RoPE runs unfused" in capsys.readouterr().out

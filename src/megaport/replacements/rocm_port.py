@@ -353,8 +353,28 @@ def _port_multi_tensor_helpers(module) -> None:
                  "(fp32 norms), not upstream's local fallback")
 
 
+def _rope_fusion_off_before_checks(module) -> None:
+    """TransformerConfig's checks raise when ``apply_rope_fusion`` (on by default from core 0.8)
+    finds no fused RoPE kernel, which only TE (or apex, which the port blocks) has; the port
+    switches it off, said once, before those checks run (every shape the check took)."""
+    cls = getattr(module, "TransformerConfig", None)
+    if cls is None or "__post_init__" not in cls.__dict__ or getattr(cls, "_rocm_port_rope", False):
+        return
+    original = cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        if getattr(self, "apply_rope_fusion", False):
+            switch_off_rope_fusion(self)
+        return original(self, *args, **kwargs)
+
+    cls.__post_init__ = __post_init__
+    cls._rocm_port_rope = True
+
+
 # What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
 _AFTER_IMPORT_WITHOUT_TE = {
+    "megatron.core.transformer.transformer_config": _rope_fusion_off_before_checks,
     "megatron.core.optimizer.clip_grads": _port_multi_tensor_helpers,
     "megatron.core.optimizer.optimizer": _port_multi_tensor_helpers,
     _GPT_SPECS_MODULE: _serve_te_layer_specs,
