@@ -74,3 +74,15 @@ def full_clone() -> Path:
     if not path.exists():
         pytest.skip(f"MEGAPORT_UPSTREAM_CLONE={location} does not exist")
     return path
+
+
+@pytest.fixture(scope="session")
+def deepspeed_clone() -> Path:
+    """A full microsoft/Megatron-DeepSpeed clone named by MEGAPORT_DEEPSPEED_CLONE, else skip."""
+    location = os.environ.get("MEGAPORT_DEEPSPEED_CLONE")
+    if not location:
+        pytest.skip("set MEGAPORT_DEEPSPEED_CLONE to a full microsoft/Megatron-DeepSpeed clone to run this")
+    path = Path(location).expanduser()
+    if not path.exists():
+        pytest.skip(f"MEGAPORT_DEEPSPEED_CLONE={location} does not exist")
+    return path

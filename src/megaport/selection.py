@@ -65,7 +65,7 @@ def tree_fork(tree: TreeReader, forks: tuple[Fork, ...]) -> tuple[Fork | None, s
     for fork in forks:
         for path, text in fork.marks:
             if text and _file_has(tree, path, text):
-                return fork, f"{path} has '{text}'"
+                return fork, f"{path} has {text.strip()!r}"
             if not text and tree.exists(path):
                 return fork, f"{path} exists"
     return None, ""

@@ -73,7 +73,7 @@ class DriftSession:
         self.max_fuzz = max_fuzz
         self._loaded: dict[str, LoadedSeries] = {}
         self._tried: set[str] = set()
-        self._fetch_failed = False
+        self._fetch_failed: set[str] = set()  # repositories whose tested shas could not be fetched
         self._is_shallow: Optional[bool] = None
         self._memo: dict = {}
         tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
@@ -158,7 +158,7 @@ class DriftSession:
         time (each at most once per run), until ``satisfied()``."""
         if satisfied():
             return True
-        if self._fetch_failed or not self._shallow():
+        if series.repository in self._fetch_failed or not self._shallow():
             return False
         for tested in reversed(series.tested):
             sha = tested.sha
@@ -170,7 +170,8 @@ class DriftSession:
             try:
                 self.store.resolve(self.url, sha, progress=False)
             except MegaportError:
-                self._fetch_failed = True  # offline, or the catalogue names shas this repo lacks
+                # Offline, or the catalogue names shas this repo lacks (another repository's series).
+                self._fetch_failed.add(series.repository)
                 return False
             self.objects.objects_added()
             self.moves.add_base(sha)
