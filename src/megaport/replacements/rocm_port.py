@@ -206,6 +206,62 @@ def install_target_stack_compat() -> list:
 
 install_target_stack_compat()
 
+# microsoft/Megatron-DeepSpeed (2022-08 on) imports deepspeed.compression.compress in
+# megatron/training.py unconditionally, for --compression-training only; DeepSpeed 0.18 removed its
+# compression library (deepspeed.compression is a stub package now). Where it is missing, the
+# module is served with both functions refusing --compression-training, and one port line says so.
+_DEEPSPEED_COMPRESSION = "deepspeed.compression.compress"
+
+
+class _RemovedDeepSpeedCompression(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on sys.meta_path: asked only when DeepSpeed itself has no such module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname == _DEEPSPEED_COMPRESSION else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        def removed(*args, **kwargs):
+            raise RuntimeError("--compression-training needs DeepSpeed's compression library, which DeepSpeed "
+                               "0.18 removed: install deepspeed<0.18 for it")
+
+        module.init_compression = module.redundancy_clean = removed
+        say_once("this DeepSpeed has no compression library (removed in 0.18): "
+                 "--compression-training is switched off (it raises); everything else trains as before")
+
+
+class _DeepSpeedTakesPortOptimizers(importlib.abc.MetaPathFinder):
+    """DeepSpeed's ZeRO accepts only the optimizer types it lists, apex's FusedAdam among them when
+    apex imports; Megatron hands it the port's FusedAdam in apex's place, so once
+    deepspeed.runtime.zero.utils has loaded, the port's FusedAdam is listed too."""
+
+    NAME = "deepspeed.runtime.zero.utils"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.NAME:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            supported = getattr(module, "ZERO_SUPPORTED_OPTIMIZERS", None)
+            if isinstance(supported, list) and FusedAdam not in supported:
+                supported.append(FusedAdam)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if not any(isinstance(f, _RemovedDeepSpeedCompression) for f in sys.meta_path):
+    sys.meta_path.append(_RemovedDeepSpeedCompression())
+if not any(isinstance(f, _DeepSpeedTakesPortOptimizers) for f in sys.meta_path):
+    sys.meta_path.insert(0, _DeepSpeedTakesPortOptimizers())
+
 _SAID = set()
 
 

@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from megaport.deepspeed import is_deepspeed_tree
 from megaport.train import example
 
 #: The fork's plain GPT example, newest layout first.
@@ -40,15 +41,6 @@ class ForkExample:
     deepspeed: list  # the DeepSpeed flags of its ds_args lines, with the run's config and stage
     config: dict  # the DeepSpeed config the script writes, for the run
     notes: list = field(default_factory=list)
-
-
-def is_fork_tree(tree: str) -> bool:
-    """A microsoft/Megatron-DeepSpeed tree: its pretrain_gpt.py imports deepspeed."""
-    path = os.path.join(tree, "pretrain_gpt.py")
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return re.search(r"^import deepspeed\b", f.read(), re.M) is not None
 
 
 def script_path(tree: str) -> str | None:
@@ -102,7 +94,7 @@ def config_template(text: str) -> dict:
 def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "deepspeed") -> ForkExample | None:
     """The fork's example for a run in ``workdir`` (its DeepSpeed config is written there), or None
     when ``tree`` is not a fork tree with the script."""
-    rel = script_path(tree) if is_fork_tree(tree) else None
+    rel = script_path(tree) if is_deepspeed_tree(tree) else None
     if rel is None:
         return None
     with open(os.path.join(tree, rel), encoding="utf-8") as f:
@@ -142,3 +134,21 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     notes.append(f"{DESCRIBE['deepspeed']}; DeepSpeed config: the script's, with the run's batch sizes and "
                  f"stage {ZERO_STAGE}: {json.dumps(run_config, sort_keys=True)}")
     return ForkExample(rel, tokens, out, run_config, notes)
+
+
+#: Where DeepSpeed's engine refuses to start on this machine, not a failure of the tree's code:
+#: what the failed run printed, first match wins.
+_REFUSALS = (
+    re.compile(r"(ValueError: Type (?:fp16|bf16) is not supported on your device\.?)"),
+)
+
+
+def engine_refused(failure: str) -> str | None:
+    """The line saying DeepSpeed's engine refused this machine, in a failed run's message, if it did."""
+    if "DeepSpeedEngine" not in failure and "deepspeed.initialize" not in failure and "engine.py" not in failure:
+        return None
+    for pattern in _REFUSALS:
+        match = pattern.search(failure)
+        if match:
+            return match.group(1)
+    return None
