@@ -86,7 +86,8 @@ print(json.dumps({"version": deepspeed.__version__, "accelerator": accelerator.d
 
 #: What a CPU run of a fork tree substitutes in DeepSpeed (printed with the other CPU substitutions).
 CPU_SUBSTITUTION = ("DeepSpeed's CUDA accelerator: is_fp16_supported()/is_bf16_supported() answer True "
-                    "(the CPU device of the run has capability (0, 0); ROCm GPUs have both)")
+                    "(the CPU device of the run has capability (0, 0); ROCm GPUs have both), "
+                    "current_device_name() answers 'cpu'")
 
 
 class _AcceleratorOnCpu:
@@ -116,6 +117,8 @@ class _AcceleratorOnCpu:
             if cls is not None:
                 cls.is_fp16_supported = lambda self: True
                 cls.is_bf16_supported = lambda self: True
+                # 'cuda:' + current_device(), which the CPU substitutions answer 'cpu'
+                cls.current_device_name = lambda self: "cpu"
 
         spec.loader.exec_module = exec_module
         return spec
