@@ -37,6 +37,10 @@ SHIMS = {
     "apex": "apex, amp_C and the layer-norm/wgrad extensions served by the port's PyTorch stand-ins "
             "(what a ROCm apex build gives); the fusions under test stay upstream's unfused paths",
     "fused-kernel-build": "upstream's nvcc build of its CUDA extensions at start-up skipped",
+    "deepspeed-compression": "DeepSpeed's removed compression module (Megatron-DeepSpeed imports it for "
+                             "--compression-training) served as the port serves it: its functions raise",
+    "fork-attention-view": "Megatron-DeepSpeed from 676a482c: CoreAttention gets contiguous query/key/value (its "
+                           "views fail on the strided slices of its QKV split on every device; the same values)",
 }
 _NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
     (re.compile(r"No module named '(transformer_engine)|No package metadata was found for transformer.engine"),
@@ -45,6 +49,8 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"No module named '(apex|amp_C|fused_\w*_cuda|\w*layer_norm_cuda)|Apex must (currently )?be installed"),
      "apex"),
     (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
+    (re.compile(r"No module named 'deepspeed\.compression\.compress'"), "deepspeed-compression"),
+    (re.compile(r"view size is not compatible with input tensor's size and stride"), "fork-attention-view"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "amp_C": "from _megaport_standins import amp_C as _m\nglobals().update(vars(_m))\n",
@@ -90,6 +96,70 @@ class _SkipKernelBuild:
 
 sys.meta_path.insert(0, _SkipKernelBuild())
 '''
+
+# apex's RMSNorm module, which Megatron-DeepSpeed imports from apex.normalization on 'cuda' (2023-12
+# on): torch's RMSNorm with apex's signature, appended to the apex shim's apex.normalization.
+_APEX_RMSNORM = """
+
+import torch as _torch
+
+
+class MixedFusedRMSNorm(_torch.nn.RMSNorm):
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, **kwargs):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+
+
+FusedRMSNorm = MixedFusedRMSNorm
+"""
+# What the apex shim's modules also hold: apex's own __init__ imports its optimizers and
+# normalization (DeepSpeed's ZeRO lists apex.optimizers.FusedAdam when `import apex` has it).
+_APEX_ADDED = {"apex/__init__": "from . import optimizers, normalization\n",
+               "apex/normalization/__init__": _APEX_RMSNORM}
+_FORK_ATTENTION_HOOK = '''
+class _ContiguousCoreAttention:
+    """After megatron.model.transformer loads, CoreAttention.forward gets contiguous query, key and
+    value: the same values, in a layout its views accept."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "megatron.model.transformer":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None:
+            return None
+        real = spec.loader.exec_module
+
+        def exec_module(module):
+            real(module)
+            forward = module.CoreAttention.forward
+
+            def contiguous_forward(self, query_layer, key_layer, value_layer, *args, **kwargs):
+                return forward(self, query_layer.contiguous(), key_layer.contiguous(), value_layer.contiguous(),
+                               *args, **kwargs)
+
+            module.CoreAttention.forward = contiguous_forward
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _ContiguousCoreAttention())
+'''
+
+
+def _deepspeed_compression_source(port_source: str) -> str:
+    """The port's serving of DeepSpeed's removed compression module, from rocm_port.py's source."""
+    tree = ast.parse(port_source)
+    wanted = {"_DEEPSPEED_COMPRESSION", "_RemovedDeepSpeedCompression", "_SAID", "say_once"}
+    parts = [ast.get_source_segment(port_source, node) for node in tree.body
+             if getattr(node, "name", None) in wanted
+             or any(getattr(t, "id", None) in wanted for t in getattr(node, "targets", []))]
+    return "import importlib.abc\nimport os\n\n" + "\n\n".join(parts) + \
+        "\n\n\nsys.meta_path.append(_RemovedDeepSpeedCompression())\n"
+
 
 _TE_STUB_SOURCE = '''"""Import stub of TransformerEngine for megaport's baseline run: it provides nothing.
 
@@ -213,9 +283,13 @@ def write_shims(folder: str, shims: list) -> None:
         standins = port.replace("\ninstall_import_blocker()\n", "\n").replace("\ninstall_target_stack_compat()\n", "\n")
         _write(folder, "_megaport_standins", standins)
         for module, text in _APEX_MODULES.items():
-            _write(folder, module, text)
+            _write(folder, module, text + _APEX_ADDED.get(module, ""))
     if "fused-kernel-build" in shims:
         startup.append(_KERNEL_BUILD_HOOK)
+    if "deepspeed-compression" in shims:
+        startup.append(_deepspeed_compression_source(port))
+    if "fork-attention-view" in shims:
+        startup.append(_FORK_ATTENTION_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
 
 
@@ -226,7 +300,7 @@ def with_shims(env: dict, folder: str, shims: list) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def with_fewest_shims(start, env: dict, *, attempts: int = 5) -> tuple:
+def with_fewest_shims(start, env: dict, *, attempts: int = 8) -> tuple:
     """``start(env)`` on an unported upstream, retried with one more shim each time it fails for a
     shim's reason: (its result, the shims it needed). Any other failure is raised as it is."""
     shims: list = []
