@@ -100,7 +100,9 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     with open(os.path.join(tree, rel), encoding="utf-8") as f:
         text = expand(f.read())
     # A pipe ends the command (`| tee $OUTPUT_DIR/output.log`): what follows is the log's copy.
-    tokens = example.script_flags("\n".join(re.sub(r"\|.*$", "", line) for line in text.splitlines()))
+    # The DeepSpeed flags (`$ds_args`) are read from their own lines below.
+    command = "\n".join(re.sub(r"\|.*$", "", line) for line in text.splitlines() if not line.lstrip().startswith("ds_args="))
+    tokens = example.script_flags(re.sub(r"\$\{?ds_args\}?", " ", command))
     notes = [f"flags of {rel} of the tree (the fork's GPT example), changed in size, iterations and data only"]
     config = config_template(text)
     ds = deepspeed_flags(text)
