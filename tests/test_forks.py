@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from support.gitrepos import commit, git, make_repo
+from test_cli_apply import diff_for as format_patch
 
 from megaport.catalogue import UPSTREAM_REPOSITORY, load_catalogue
 from megaport.cli import main
@@ -26,14 +27,6 @@ FORK_TREE = {"megatron/model/code.py": CODE, "pretrain_gpt.py": "import torch\ni
 
 def invoke(*args: str):
     return CliRunner().invoke(main, list(args))
-
-
-def format_patch(repo: Path, edits: dict[str, str], subject: str) -> str:
-    head = git(repo, "rev-parse", "HEAD")
-    commit(repo, edits, subject)
-    patch = git(repo, "format-patch", "--stdout", "--zero-commit", "--full-index", "--no-signature", "-1", "HEAD")
-    git(repo, "reset", "--quiet", "--hard", head)
-    return patch + "\n"
 
 
 @pytest.fixture

@@ -90,44 +90,20 @@ CPU_SUBSTITUTION = ("DeepSpeed's CUDA accelerator: is_fp16_supported()/is_bf16_s
                     "current_device_name() answers 'cpu'")
 
 
-class _AcceleratorOnCpu:
-    """After deepspeed.accelerator.cuda_accelerator loads, its precision queries answer True: the
-    engine's sanity check would refuse fp16/bf16 on the CPU run's capability (0, 0) device."""
-
-    NAME = "deepspeed.accelerator.cuda_accelerator"
-
-    def find_spec(self, fullname, path=None, target=None):
-        import importlib.util
-        import sys
-
-        if fullname != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        real = spec.loader.exec_module
-
-        def exec_module(module):
-            real(module)
-            cls = getattr(module, "CUDA_Accelerator", None)
-            if cls is not None:
-                cls.is_fp16_supported = lambda self: True
-                cls.is_bf16_supported = lambda self: True
-                # 'cuda:' + current_device(), which the CPU substitutions answer 'cpu'
-                cls.current_device_name = lambda self: "cpu"
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _precision_and_placement_on_cpu(module) -> None:
+    """DeepSpeed's CUDA accelerator in a CPU run: its precision queries answer True (the engine's
+    sanity check would refuse fp16/bf16 on the run's capability (0, 0) device) and its current
+    device name is 'cpu' (it is 'cuda:' + current_device(), which the CPU substitutions answer 'cpu')."""
+    cls = getattr(module, "CUDA_Accelerator", None)
+    if cls is not None:
+        cls.is_fp16_supported = lambda self: True
+        cls.is_bf16_supported = lambda self: True
+        cls.current_device_name = lambda self: "cpu"
 
 
 def install_cpu_substitution() -> str:
     """For a fork tree's CPU run (before the script imports deepspeed); the line to report."""
-    import sys
+    from megaport.train.hooks import after_import
 
-    if not any(isinstance(f, _AcceleratorOnCpu) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AcceleratorOnCpu())
+    after_import("deepspeed.accelerator.cuda_accelerator", _precision_and_placement_on_cpu)
     return CPU_SUBSTITUTION

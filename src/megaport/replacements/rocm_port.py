@@ -232,35 +232,8 @@ class _RemovedDeepSpeedCompression(importlib.abc.MetaPathFinder, importlib.abc.L
                  "--compression-training is switched off (it raises); everything else trains as before")
 
 
-class _DeepSpeedTakesPortOptimizers(importlib.abc.MetaPathFinder):
-    """DeepSpeed's ZeRO accepts only the optimizer types it lists, apex's FusedAdam among them when
-    apex imports; Megatron hands it the port's FusedAdam in apex's place, so once
-    deepspeed.runtime.zero.utils has loaded, the port's FusedAdam is listed too."""
-
-    NAME = "deepspeed.runtime.zero.utils"
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.NAME:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            supported = getattr(module, "ZERO_SUPPORTED_OPTIMIZERS", None)
-            if isinstance(supported, list) and FusedAdam not in supported:
-                supported.append(FusedAdam)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if not any(isinstance(f, _RemovedDeepSpeedCompression) for f in sys.meta_path):
     sys.meta_path.append(_RemovedDeepSpeedCompression())
-if not any(isinstance(f, _DeepSpeedTakesPortOptimizers) for f in sys.meta_path):
-    sys.meta_path.insert(0, _DeepSpeedTakesPortOptimizers())
 
 _SAID = set()
 
@@ -390,13 +363,25 @@ _AFTER_IMPORT = {
 }
 
 
+def _zero_takes_port_fused_adam(module) -> None:
+    """DeepSpeed's ZeRO accepts only the optimizer types it lists, apex's FusedAdam among them when
+    apex imports; Megatron-DeepSpeed hands it the port's FusedAdam in apex's place: list it too."""
+    supported = getattr(module, "ZERO_SUPPORTED_OPTIMIZERS", None)
+    if isinstance(supported, list) and FusedAdam not in supported:
+        supported.append(FusedAdam)
+
+
+# Steps that do not depend on TransformerEngine: they run whether it is installed or not.
+_AFTER_IMPORT_ALWAYS = {"deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam}
+
+
 class _ServeDefaultsAfterImport(importlib.abc.MetaPathFinder):
     """Runs the :data:`_AFTER_IMPORT` step of a module once upstream's own code has loaded it: one
     mechanism for every era, whatever shape the file has."""
 
     def find_spec(self, fullname, path=None, target=None):
-        serve = _AFTER_IMPORT.get(fullname)
-        if serve is None or _transformer_engine_installed():
+        serve = _AFTER_IMPORT_ALWAYS.get(fullname) or _AFTER_IMPORT.get(fullname)
+        if serve is None or (fullname not in _AFTER_IMPORT_ALWAYS and _transformer_engine_installed()):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:

@@ -116,37 +116,22 @@ FusedRMSNorm = MixedFusedRMSNorm
 _APEX_ADDED = {"apex/__init__": "from . import optimizers, normalization\n",
                "apex/normalization/__init__": _APEX_RMSNORM}
 _FORK_ATTENTION_HOOK = '''
-class _ContiguousCoreAttention:
-    """After megatron.model.transformer loads, CoreAttention.forward gets contiguous query, key and
-    value: the same values, in a layout its views accept."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "megatron.model.transformer":
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None:
-            return None
-        real = spec.loader.exec_module
-
-        def exec_module(module):
-            real(module)
-            forward = module.CoreAttention.forward
-
-            def contiguous_forward(self, query_layer, key_layer, value_layer, *args, **kwargs):
-                return forward(self, query_layer.contiguous(), key_layer.contiguous(), value_layer.contiguous(),
-                               *args, **kwargs)
-
-            module.CoreAttention.forward = contiguous_forward
-
-        spec.loader.exec_module = exec_module
-        return spec
+from megaport.train.hooks import after_import
 
 
-sys.meta_path.insert(0, _ContiguousCoreAttention())
+def _contiguous_core_attention(module):
+    """CoreAttention.forward gets contiguous query, key and value: the same values, in a layout
+    its views accept."""
+    forward = module.CoreAttention.forward
+
+    def contiguous_forward(self, query_layer, key_layer, value_layer, *args, **kwargs):
+        return forward(self, query_layer.contiguous(), key_layer.contiguous(), value_layer.contiguous(),
+                       *args, **kwargs)
+
+    module.CoreAttention.forward = contiguous_forward
+
+
+after_import("megatron.model.transformer", _contiguous_core_attention)
 '''
 
 
