@@ -232,8 +232,13 @@ class _RemovedDeepSpeedCompression(importlib.abc.MetaPathFinder, importlib.abc.L
                  "--compression-training is switched off (it raises); everything else trains as before")
 
 
-if not any(isinstance(f, _RemovedDeepSpeedCompression) for f in sys.meta_path):
-    sys.meta_path.append(_RemovedDeepSpeedCompression())
+def serve_removed_deepspeed_compression() -> None:
+    """Put the finder last on sys.meta_path (once)."""
+    if not any(isinstance(f, _RemovedDeepSpeedCompression) for f in sys.meta_path):
+        sys.meta_path.append(_RemovedDeepSpeedCompression())
+
+
+serve_removed_deepspeed_compression()
 
 _SAID = set()
 

@@ -138,12 +138,12 @@ after_import("megatron.model.transformer", _contiguous_core_attention)
 def _deepspeed_compression_source(port_source: str) -> str:
     """The port's serving of DeepSpeed's removed compression module, from rocm_port.py's source."""
     tree = ast.parse(port_source)
-    wanted = {"_DEEPSPEED_COMPRESSION", "_RemovedDeepSpeedCompression", "_SAID", "say_once"}
+    wanted = {"_DEEPSPEED_COMPRESSION", "_RemovedDeepSpeedCompression", "_SAID", "say_once",
+              "serve_removed_deepspeed_compression"}
     parts = [ast.get_source_segment(port_source, node) for node in tree.body
              if getattr(node, "name", None) in wanted
              or any(getattr(t, "id", None) in wanted for t in getattr(node, "targets", []))]
-    return "import importlib.abc\nimport os\n\n" + "\n\n".join(parts) + \
-        "\n\n\nsys.meta_path.append(_RemovedDeepSpeedCompression())\n"
+    return "import importlib.abc\nimport os\n\n" + "\n\n".join(parts) + "\n\n\nserve_removed_deepspeed_compression()\n"
 
 
 _TE_STUB_SOURCE = '''"""Import stub of TransformerEngine for megaport's baseline run: it provides nothing.
@@ -266,6 +266,8 @@ def write_shims(folder: str, shims: list) -> None:
         # The port's module, minus its import blocker (which refuses apex) and its restoration of
         # removed names (the "stack" shim, added only where the run needs it).
         standins = port.replace("\ninstall_import_blocker()\n", "\n").replace("\ninstall_target_stack_compat()\n", "\n")
+        # ... and its serving of DeepSpeed's removed compression module (the "deepspeed-compression" shim).
+        standins = standins.replace("\nserve_removed_deepspeed_compression()\n", "\n")
         _write(folder, "_megaport_standins", standins)
         for module, text in _APEX_MODULES.items():
             _write(folder, module, text + _APEX_ADDED.get(module, ""))
