@@ -3,7 +3,7 @@
 The fork's megatron/core reads Megatron's global args where upstream's takes a config: its
 tensor-parallel layers' backward (``args.enable_zbh1_pipeline``), for one. A check that builds
 those layers outside ``pretrain_gpt.py`` first sets the args to the fork's own parser defaults, as
-``initialize_megatron`` with no flags would.
+``initialize_megatron`` with no flags would (with ``params_dtype``, which its validation derives).
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ def set_default_args(tree) -> bool:
 
     argv, sys.argv = sys.argv, [sys.argv[0]]
     try:
-        global_vars._GLOBAL_ARGS = parse_args(ignore_unknown_args=True)
+        args = parse_args(ignore_unknown_args=True)
     finally:
         sys.argv = argv
+    # What validate_args derives from the defaults that the layers read (it needs a world to run).
+    import torch
+
+    args.params_dtype = torch.float32  # neither --fp16 nor --bf16
+    global_vars._GLOBAL_ARGS = args
     return True
 
 

@@ -252,6 +252,9 @@ def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtyp
 
 def test_fused_layer_norm_module_matches_torch(smoke, device):
     """megatron.core.fusions.fused_layer_norm.FusedLayerNorm builds without apex and matches LayerNorm."""
+    from megaport.smoke._fork import set_default_args
+
+    set_default_args(smoke.tree)  # the DeepSpeed fork's layer norms read Megatron's global args
     module = tree_module("megatron.core.fusions.fused_layer_norm")
     cls = need(module, "FusedLayerNorm")
     tc = tree_module("megatron.core.transformer.transformer_config")
