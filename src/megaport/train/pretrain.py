@@ -128,6 +128,7 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
             document = _run_pretrain(dataclasses.replace(run, engine="megatron"), env, timeout=timeout)
             document["engine"] = {"name": "megatron", "described": deepspeed_example.DESCRIBE["megatron"],
                                   "deepspeed_refused": reason}
+            document["notes"].append(f"DeepSpeed's engine refused this machine ({reason}): Megatron's own loop ran")
             return document
         document["engine"] = {"name": "deepspeed", "described": deepspeed_example.DESCRIBE["deepspeed"]}
         return document
