@@ -138,19 +138,23 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     return ForkExample(rel, tokens, out, run_config, notes)
 
 
-#: Where DeepSpeed's engine refuses to start on this machine, not a failure of the tree's code:
-#: what the failed run printed, first match wins.
+#: Where DeepSpeed's engine cannot run the tree here, not a failure of the port: what the failed run
+#: printed (first match wins) and why.
 _REFUSALS = (
-    re.compile(r"(ValueError: Type (?:fp16|bf16) is not supported on your device\.?)"),
+    (re.compile(r"(ValueError: Type (?:fp16|bf16) is not supported on your device\.?)"),
+     "DeepSpeed's sanity check refuses this device's precision"),
+    # The fork's merge of upstream (9e72d571, 2023-07-04) until 636540a9 (2023-07-12) hands
+    # Megatron's grad_scale_func a DeepSpeed optimizer, which has no scale_loss: --deepspeed
+    # cannot train on any device there.
+    (re.compile(r"(AttributeError: 'DeepSpeed\w*Optimizer' object has no attribute 'scale_loss')"),
+     "the fork's train() of 2023-07-04..2023-07-11 takes optimizer.scale_loss, which DeepSpeed's optimizers lack"),
 )
 
 
 def engine_refused(failure: str) -> str | None:
-    """The line saying DeepSpeed's engine refused this machine, in a failed run's message, if it did."""
-    if "DeepSpeedEngine" not in failure and "deepspeed.initialize" not in failure and "engine.py" not in failure:
-        return None
-    for pattern in _REFUSALS:
+    """Why DeepSpeed's engine could not run, from a failed run's message, if that is why it failed."""
+    for pattern, why in _REFUSALS:
         match = pattern.search(failure)
         if match:
-            return match.group(1)
+            return f"{match.group(1)}: {why}"
     return None
