@@ -376,8 +376,21 @@ def _zero_takes_port_fused_adam(module) -> None:
         supported.append(FusedAdam)
 
 
+def legacy_tensor_types(module) -> None:
+    """DeepSpeed's CUDA accelerator now gives ``FloatTensor``, ``HalfTensor``... as
+    ``functools.partial`` constructors; code written against older DeepSpeed (Megatron-DeepSpeed's
+    Float16Module) uses them as types in ``isinstance``. They are torch.cuda's legacy tensor types
+    again, which construct tensors as well (what DeepSpeed gave before)."""
+    cls = getattr(module, "CUDA_Accelerator", None)
+    for name in ("BFloat16Tensor", "ByteTensor", "DoubleTensor", "FloatTensor", "HalfTensor", "IntTensor",
+                 "LongTensor"):
+        if cls is not None and isinstance(cls.__dict__.get(name), property) and hasattr(torch.cuda, name):
+            setattr(cls, name, property(lambda self, _name=name: getattr(torch.cuda, _name)))
+
+
 # Steps that do not depend on TransformerEngine: they run whether it is installed or not.
-_AFTER_IMPORT_ALWAYS = {"deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam}
+_AFTER_IMPORT_ALWAYS = {"deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam,
+                        "deepspeed.accelerator.cuda_accelerator": legacy_tensor_types}
 
 
 class _ServeDefaultsAfterImport(importlib.abc.MetaPathFinder):

@@ -39,6 +39,8 @@ SHIMS = {
     "fused-kernel-build": "upstream's nvcc build of its CUDA extensions at start-up skipped",
     "deepspeed-compression": "DeepSpeed's removed compression module (Megatron-DeepSpeed imports it for "
                              "--compression-training) served as the port serves it: its functions raise",
+    "deepspeed-tensor-types": "DeepSpeed's accelerator gives torch.cuda's legacy tensor types for FloatTensor, "
+                              "HalfTensor... again (the port's step; Megatron-DeepSpeed uses them in isinstance)",
     "fork-attention-view": "Megatron-DeepSpeed from 676a482c: CoreAttention gets contiguous query/key/value (its "
                            "views fail on the strided slices of its QKV split on every device; the same values)",
 }
@@ -51,6 +53,7 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
     (re.compile(r"No module named 'deepspeed\.compression\.compress'"), "deepspeed-compression"),
     (re.compile(r"view size is not compatible with input tensor's size and stride"), "fork-attention-view"),
+    (re.compile(r"isinstance\(\) arg 2 must be a type"), "deepspeed-tensor-types"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "amp_C": "from _megaport_standins import amp_C as _m\nglobals().update(vars(_m))\n",
@@ -133,6 +136,15 @@ def _contiguous_core_attention(module):
 
 after_import("megatron.model.transformer", _contiguous_core_attention)
 '''
+
+
+def _legacy_tensor_types_source(port_source: str) -> str:
+    """The port's step restoring DeepSpeed's legacy tensor types, run after its accelerator loads."""
+    tree = ast.parse(port_source)
+    step = next(node for node in tree.body if getattr(node, "name", None) == "legacy_tensor_types")
+    return ("import torch\nfrom megaport.train.hooks import after_import\n\n\n"
+            + ast.get_source_segment(port_source, step)
+            + "\n\n\nafter_import('deepspeed.accelerator.cuda_accelerator', legacy_tensor_types)\n")
 
 
 def _deepspeed_compression_source(port_source: str) -> str:
@@ -275,6 +287,8 @@ def write_shims(folder: str, shims: list) -> None:
         startup.append(_KERNEL_BUILD_HOOK)
     if "deepspeed-compression" in shims:
         startup.append(_deepspeed_compression_source(port))
+    if "deepspeed-tensor-types" in shims:
+        startup.append(_legacy_tensor_types_source(port))
     if "fork-attention-view" in shims:
         startup.append(_FORK_ATTENTION_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
