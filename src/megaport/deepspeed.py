@@ -101,9 +101,17 @@ def _precision_and_placement_on_cpu(module) -> None:
         cls.current_device_name = lambda self: "cpu"
 
 
+def _accelerator_package_on_cpu(package) -> None:
+    import importlib
+
+    _precision_and_placement_on_cpu(importlib.import_module("deepspeed.accelerator.cuda_accelerator"))
+
+
 def install_cpu_substitution() -> str:
     """For a fork tree's CPU run (before the script imports deepspeed); the line to report."""
     from megaport.train.hooks import after_import
 
-    after_import("deepspeed.accelerator.cuda_accelerator", _precision_and_placement_on_cpu)
+    # On the package, not on cuda_accelerator itself: the port's own after-import finder (for
+    # DeepSpeed's legacy tensor types) comes first on sys.meta_path and would answer for that module.
+    after_import("deepspeed.accelerator", _accelerator_package_on_cpu)
     return CPU_SUBSTITUTION
