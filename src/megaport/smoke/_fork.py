@@ -9,14 +9,15 @@ those layers outside ``pretrain_gpt.py`` first sets the args to the fork's own p
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def set_default_args(tree) -> bool:
     """Set the fork's global args to its parser's defaults if a fork tree has none yet; True if set."""
     from megaport.deepspeed import is_deepspeed_tree
 
-    if not is_deepspeed_tree(tree):
-        return False
+    if not is_deepspeed_tree(tree) or not (Path(tree) / "megatron/core").is_dir():
+        return False  # the 2021-2022 fork has megatron/mpu, which takes args like upstream's of its time
     from megatron import global_vars
 
     if getattr(global_vars, "_GLOBAL_ARGS", None) is not None:
