@@ -108,6 +108,12 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     ds = deepspeed_flags(text)
     if engine == "megatron":
         notes.append(DESCRIBE["megatron"])
+        if "--checkpoint-activations" in tokens and "--recompute-method" not in tokens \
+                and example.parser_has(tree, "--recompute-method"):
+            # Without DeepSpeed's activation checkpointing the fork's own recompute needs a method.
+            tokens = tokens + ["--recompute-method", "uniform"]
+            notes.append("--recompute-method uniform added: --checkpoint-activations without DeepSpeed's activation "
+                         "checkpointing needs a method in this parser (uniform, what the flag meant before the rename)")
         return ForkExample(rel, tokens, [], {}, notes)
     config_file = os.path.join(workdir, "ds_config.json")
     stage_given = "--zero-stage" in ds
