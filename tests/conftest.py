@@ -64,13 +64,23 @@ def fake_cuda_modules(tmp_path_factory) -> Path:
     return root
 
 
+def _clone_from_env(variable: str, what: str) -> Path:
+    location = os.environ.get(variable)
+    if not location:
+        pytest.skip(f"set {variable} to a full {what} clone to run this")
+    path = Path(location).expanduser()
+    if not path.exists():
+        pytest.skip(f"{variable}={location} does not exist")
+    return path
+
+
 @pytest.fixture(scope="session")
 def full_clone() -> Path:
     """A full upstream clone named by MEGAPORT_UPSTREAM_CLONE, else skip."""
-    location = os.environ.get("MEGAPORT_UPSTREAM_CLONE")
-    if not location:
-        pytest.skip("set MEGAPORT_UPSTREAM_CLONE to a full NVIDIA/Megatron-LM clone to run this")
-    path = Path(location).expanduser()
-    if not path.exists():
-        pytest.skip(f"MEGAPORT_UPSTREAM_CLONE={location} does not exist")
-    return path
+    return _clone_from_env("MEGAPORT_UPSTREAM_CLONE", "NVIDIA/Megatron-LM")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_clone() -> Path:
+    """A full microsoft/Megatron-DeepSpeed clone named by MEGAPORT_DEEPSPEED_CLONE, else skip."""
+    return _clone_from_env("MEGAPORT_DEEPSPEED_CLONE", "microsoft/Megatron-DeepSpeed")

@@ -115,11 +115,12 @@ def test_stanford_megatron_ports(tmp_path, fake_cuda_modules):
 
 
 def test_every_tested_ref_in_the_catalogue_is_chosen_and_applies(clone, tmp_path):
-    """The catalogue's promise: each series is chosen for, and applies with no fuzz to, every ref it lists."""
+    """The catalogue's promise: each series is chosen for, and applies with no fuzz to, every ref it lists.
+    Forks' series list refs of their fork: tests/test_deepspeed_fullclone.py checks those."""
     from megaport.catalogue import load_catalogue
 
     failures = []
-    for series in load_catalogue().series:
+    for series in (s for s in load_catalogue().series if s.is_upstream):
         for tested in series.tested:
             code, report, output = port(clone, tested.sha or tested.ref, tmp_path / "d", "--dry-run")
             if code != 0 or report.get("series") != series.name:

@@ -128,7 +128,8 @@ def test_doctor_on_this_machine(tmp_path):
     report = tmp_path / "doctor.json"
     result = CliRunner().invoke(main, ["doctor", "--json", str(report)])
     document = json.loads(report.read_text())
-    assert set(document) == {"versions", "environment", "findings"}
+    assert set(document) == {"versions", "environment", "deepspeed", "findings"}
+    assert "DeepSpeed" in result.output
     errors = [f for f in document["findings"] if f["level"] == "error"]
     assert result.exit_code == (1 if errors else 0), result.output
     assert "versions and devices" in result.output and "environment" in result.output
@@ -143,3 +144,33 @@ def test_the_report_says_whether_the_softmax_can_be_compiled_on_a_gpu():
     assert rows["Triton"].startswith("3.4.0") and "compiled" in rows["Triton"]
     assert "eager path" in dict(devices.summary_rows({**MI300, "triton": None}))["Triton"]
     assert "Triton" not in dict(devices.summary_rows(CPU_BOX))  # a CPU build runs the eager path anyway
+
+
+def test_deepspeed_row_lists_its_version_accelerator_and_ops():
+    from megaport.commands.doctor import deepspeed_row
+
+    status = {"version": "0.19.8", "accelerator": "cuda", "communication_backend": "nccl",
+              "ops": {"fused_adam": {"installed": True, "compatible": True},
+                      "cpu_adam": {"installed": False, "compatible": True},
+                      "async_io": {"installed": False, "compatible": False}}}
+    row = deepspeed_row(status)
+    assert row.startswith("0.19.8 (accelerator cuda, backend nccl)")
+    assert "ops prebuilt: fused_adam" in row and "built at run time if used: cpu_adam" in row
+    assert "unavailable here: async_io" in row
+    assert deepspeed_row(None).startswith("not installed")
+    assert deepspeed_row({"error": "importing deepspeed failed: boom"}) == "importing deepspeed failed: boom"
+
+
+def test_doctor_reports_deepspeed_in_its_json(tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from megaport.commands.doctor import doctor
+
+    out = tmp_path / "doctor.json"
+    status = {"version": "0.19.8", "accelerator": "cpu", "communication_backend": "gloo", "ops": {}}
+    doctor(Console(file=open(tmp_path / "out.txt", "w")), json_file=str(out), environ={}, info={"torch": "2.13.0"},
+           deepspeed_status=status)
+    assert json.loads(out.read_text())["deepspeed"] == status
+    assert "0.19.8 (accelerator cpu" in (tmp_path / "out.txt").read_text()

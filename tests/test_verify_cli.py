@@ -140,7 +140,10 @@ def test_pytest_command_runs_the_shipped_suite_with_the_era(tmp_path):
     assert (folder / "pytest.ini").is_file() and (folder / "conftest.py").is_file()
     assert command[:3] == ["python", "-m", "pytest"] and str(folder) in command
     assert "-p" in command and "no:cacheprovider" in command
-    assert command[command.index("--megaport-masked-rows") + 1] == "uniform"
+    assert "--megaport-masked-rows=uniform" in command
+    # The tree is one token with its option: a separate value naming a directory would make pytest
+    # load that directory's conftest.py files (the DeepSpeed fork has tests/conftest.py).
+    assert f"--megaport-tree={tmp_path}" in command and str(tmp_path) not in command
     assert any(c.startswith("--junitxml=") and c.endswith("out.xml") for c in command)
     assert command[-2:] == ["-k", "kernels"]
 

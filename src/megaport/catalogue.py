@@ -22,6 +22,8 @@ else:  # pragma: no cover - Python 3.10
 CATALOGUE_FILE = "catalogue.toml"
 LIST_FILE = "series"
 PATCHES_ENV = "MEGAPORT_PATCHES"
+# The repository a series' tested refs are resolved in, unless its entry names another one.
+UPSTREAM_REPOSITORY = "NVIDIA/Megatron-LM"
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ class Series:
     tested: tuple[TestedRef, ...]
     recognise: Recognise
     patches: tuple[PatchFile, ...] = field(default=())
+    # GitHub "owner/name" whose history the tested refs belong to (a fork's series name the fork).
+    repository: str = UPSTREAM_REPOSITORY
+
+    @property
+    def is_upstream(self) -> bool:
+        return self.repository == UPSTREAM_REPOSITORY
 
     @property
     def tested_range(self) -> str:
@@ -93,11 +101,24 @@ class Series:
 
 
 @dataclass(frozen=True)
+class Fork:
+    """A fork whose trees get their own series: ``[[fork]]`` in the catalogue.
+
+    A tree is the fork's when any mark holds: (path, text) where the file contains the text, or
+    (path, "") where the path exists. Only series whose ``repository`` is the fork's are candidates
+    for its trees, and the fork's series are never candidates for other trees."""
+
+    repository: str
+    marks: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
 class Catalogue:
     """All series of one patches directory, in catalogue order."""
 
     root: Path
     series: tuple[Series, ...]
+    forks: tuple[Fork, ...] = ()
 
     def get(self, name: str) -> Series:
         for series in self.series:
@@ -142,7 +163,20 @@ def load_catalogue(root: str | os.PathLike | None = None) -> Catalogue:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise MegaportError(f"{path}: series listed twice: {', '.join(duplicates)}", exit_code=2)
-    return Catalogue(root=directory, series=series)
+    return Catalogue(root=directory, series=series, forks=_forks(path, data.get("fork", [])))
+
+
+def _forks(path: Path, entries) -> tuple[Fork, ...]:
+    if not isinstance(entries, list):
+        raise MegaportError(f"{path}: [[fork]] must be an array of tables", exit_code=2)
+    forks = []
+    for entry in entries:
+        repository = _repository(path, "[[fork]]", entry.get("repository") if isinstance(entry, dict) else None)
+        marks = _text_rules(path, entry.get("marks", ()))
+        if not marks:
+            raise MegaportError(f"{path}: [[fork]] {repository} needs marks (path and text)", exit_code=2)
+        forks.append(Fork(repository=repository, marks=marks))
+    return tuple(forks)
 
 
 def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
@@ -177,7 +211,14 @@ def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
             lacks=_text_rules(path, recognise.get("lacks", ())),
         ),
         patches=_patch_files(folder, name),
+        repository=_repository(path, f"series '{name}'", entry.get("repository", UPSTREAM_REPOSITORY)),
     )
+
+
+def _repository(path: Path, name: str, value) -> str:
+    if not isinstance(value, str) or value.count("/") != 1 or not all(value.split("/")):
+        raise MegaportError(f"{path}: {name}: repository {value!r} must be a GitHub 'owner/name'", exit_code=2)
+    return value
 
 
 def _text_rules(path: Path, entries) -> tuple[tuple[str, str], ...]:

@@ -270,4 +270,7 @@ def subprocess_env(tree: Path) -> dict:
         from megaport.store import default_home
 
         env["PYTHONPYCACHEPREFIX"] = str(default_home() / "pycache")
-    return env
+    # A Megatron-DeepSpeed tree takes the code paths of DeepSpeed's GPU accelerator, as on ROCm.
+    from megaport.deepspeed import accelerator_env
+
+    return accelerator_env(tree, env)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megaport.catalogue import Catalogue, Series
+from megaport.catalogue import UPSTREAM_REPOSITORY, Catalogue, Fork, Series
 from megaport.errors import MegaportError
 from megaport.plan import SeriesPlan, TreeReader, plan_series
 
@@ -23,16 +23,27 @@ class TreeFacts:
     """What recognition looks at in an upstream tree."""
 
     core_version: tuple[int, ...] | None
+    # The fork the tree belongs to (a [[fork]] of the catalogue whose mark it holds), and that mark.
+    fork: Fork | None = None
+    fork_mark: str = ""
 
     @property
     def version_text(self) -> str:
         return ".".join(map(str, self.core_version)) if self.core_version else "unknown"
 
     @property
+    def repository(self) -> str:
+        return self.fork.repository if self.fork else UPSTREAM_REPOSITORY
+
+    @property
     def description(self) -> str:
         if self.core_version is None:
-            return "tree without megatron/core/package_info.py"
-        return "megatron/core " + ".".join(map(str, self.core_version))
+            text = "tree without megatron/core/package_info.py"
+        else:
+            text = "megatron/core " + ".".join(map(str, self.core_version))
+        if self.fork is not None:
+            text = f"{self.fork.repository} tree ({self.fork_mark}), {text}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -44,8 +55,26 @@ class Choice:
     reason: str
 
 
-def read_facts(tree: TreeReader) -> TreeFacts:
-    return TreeFacts(core_version=core_version(tree.read(PACKAGE_INFO)))
+def read_facts(tree: TreeReader, forks: tuple[Fork, ...] = ()) -> TreeFacts:
+    fork, mark = tree_fork(tree, forks)
+    return TreeFacts(core_version=core_version(tree.read(PACKAGE_INFO)), fork=fork, fork_mark=mark)
+
+
+def tree_fork(tree: TreeReader, forks: tuple[Fork, ...]) -> tuple[Fork | None, str]:
+    """The first fork whose mark the tree holds, and the mark in words ('pretrain_gpt.py has ...')."""
+    for fork in forks:
+        for path, text in fork.marks:
+            if text and _file_has(tree, path, text):
+                return fork, f"{path} has {text.strip()!r}"
+            if not text and tree.exists(path):
+                return fork, f"{path} exists"
+    return None, ""
+
+
+def family(catalogue: Catalogue, facts: TreeFacts) -> list[Series]:
+    """The series that may port the tree: its fork's, or upstream's for any other tree. A fork's
+    tree never gets an upstream series by recognition or by the best-fit fallback, and back."""
+    return [s for s in catalogue.series if s.repository == facts.repository]
 
 
 def core_version(package_info: bytes | None) -> tuple[int, ...] | None:
@@ -86,17 +115,20 @@ def _file_has(tree: TreeReader, path: str, text: str) -> bool:
 
 def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:
     """Pick the series for a tree, or fail with the nearest series and where it conflicts."""
-    facts = read_facts(tree)
-    candidates = [s for s in catalogue.series if recognised(s, facts, tree)]
+    facts = read_facts(tree, catalogue.forks)
+    series_pool = family(catalogue, facts)
+    if not series_pool:
+        raise MegaportError(f"no series in the catalogue is for {facts.repository} trees ({facts.description})")
+    candidates = [s for s in series_pool if recognised(s, facts, tree)]
     described = facts.description
     if len(candidates) == 1:
         plan = plan_series(candidates[0], tree, max_fuzz=max_fuzz)
         if plan.ok:
             return Choice(candidates[0], plan, f"{described} is in its range ({candidates[0].tested_range})")
-        plans = [plan] + [plan_series(s, tree, max_fuzz=max_fuzz) for s in catalogue.series if s is not candidates[0]]
+        plans = [plan] + [plan_series(s, tree, max_fuzz=max_fuzz) for s in series_pool if s is not candidates[0]]
         why = f"{described} matches {candidates[0].name} but it does not apply"
     else:
-        pool = candidates or list(catalogue.series)
+        pool = candidates or series_pool
         plans = [plan_series(s, tree, max_fuzz=max_fuzz) for s in pool]
         why = (
             f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"

@@ -18,7 +18,8 @@ from megaport import device as devices
 from megaport.report import write_json
 
 ENV_PREFIXES = ("HIP_", "ROCR_", "ROCM_", "HSA_", "NCCL_", "RCCL_", "TORCH_NCCL_", "GPU_MAX_HW_QUEUES")
-ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_ROCM_ARCH")
+ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_ROCM_ARCH",
+             "DS_ACCELERATOR", "DS_BUILD_OPS")
 # AMD Instinct GPUs whose GPUs talk over xGMI links (MI200: gfx90a, MI300: gfx942, MI350: gfx950).
 XGMI_ARCHS = ("gfx90a", "gfx942", "gfx950")
 ROCM_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/rocm<X.Y> (the ROCm release you run)"
@@ -176,7 +177,27 @@ def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> lis
     return findings
 
 
-def doctor(console, *, json_file: str | None = None, environ=None, info: dict | None = None) -> int:
+def deepspeed_row(status: dict | None) -> str:
+    """DeepSpeed's version, accelerator and ops, as one line (what ``ds_report`` would list)."""
+    if status is None:
+        return "not installed (Megatron-DeepSpeed trees need it: pip install deepspeed)"
+    if "error" in status:
+        return status["error"]
+    ops = status.get("ops") or {}
+    if "error" in ops:
+        listed = f"ops: {ops['error']}"
+    else:
+        prebuilt = sorted(n for n, o in ops.items() if o.get("installed"))
+        buildable = sorted(n for n, o in ops.items() if not o.get("installed") and o.get("compatible"))
+        neither = sorted(n for n, o in ops.items() if not o.get("installed") and not o.get("compatible"))
+        listed = (f"ops prebuilt: {', '.join(prebuilt) or 'none'}; built at run time if used: "
+                  f"{', '.join(buildable) or 'none'}; unavailable here: {', '.join(neither) or 'none'}")
+    return (f"{status.get('version')} (accelerator {status.get('accelerator')}, backend "
+            f"{status.get('communication_backend')}); {listed}")
+
+
+def doctor(console, *, json_file: str | None = None, environ=None, info: dict | None = None,
+           deepspeed_status: dict | None | bool = False) -> int:
     from rich.markup import escape
     from rich.table import Table
 
@@ -198,6 +219,11 @@ def doctor(console, *, json_file: str | None = None, environ=None, info: dict | 
         + (f", KFD GPUs: {' '.join(driver['kfd_gfx'])}" if driver.get("kfd_gfx") else "")))
     if info.get("arch_list"):
         table.add_row("torch built for", " ".join(info["arch_list"]))
+    if deepspeed_status is False:  # not given: ask DeepSpeed itself (a subprocess; None when not installed)
+        from megaport import deepspeed
+
+        deepspeed_status = deepspeed.status()
+    table.add_row("DeepSpeed", escape(deepspeed_row(deepspeed_status)))
     console.print(table)
 
     env = relevant_environment(environ)
@@ -215,5 +241,6 @@ def doctor(console, *, json_file: str | None = None, environ=None, info: dict | 
         console.print(f"[{colour}]{finding.level}[/] {escape(finding.message)}\n    → {escape(finding.fix)}")
     if not findings:
         console.print("[green]no problems found[/]")
-    write_json(json_file, {"versions": info, "environment": env, "findings": [asdict(f) for f in findings]})
+    write_json(json_file, {"versions": info, "environment": env, "deepspeed": deepspeed_status,
+                           "findings": [asdict(f) for f in findings]})
     return 1 if any(f.level == "error" for f in findings) else 0

@@ -80,8 +80,10 @@ def pytest_command(python: str, tree: Path, kind: str, rows: str, series: str, r
     command = [
         python, "-m", "pytest", "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), str(folder),
         "-p", "no:cacheprovider", "-q", "-rfE", "--tb=short", f"--color={'yes' if color else 'no'}",
-        "--megaport-tree", str(tree), "--megaport-device", kind, "--megaport-masked-rows", rows,
-        "--megaport-series", series, "--megaport-results", str(results),
+        # One token each ('--opt=value'): pytest takes a separate value that names a directory for
+        # a test path and loads that directory's conftest.py files (the DeepSpeed fork has tests/conftest.py).
+        f"--megaport-tree={tree}", f"--megaport-device={kind}", f"--megaport-masked-rows={rows}",
+        f"--megaport-series={series}", f"--megaport-results={results}",
     ]
     if junit:
         command += [f"--junitxml={Path(junit).expanduser().absolute()}"]

@@ -37,7 +37,7 @@ _VERSION = re.compile(r"^\d+(\.\d+){0,2}([A-Za-z]+\d*)?$")
 _SHA = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _ENTRY_KEYS = {"name", "era", "summary", "fully_masked_rows", "transformer_engine_imports", "replacement", "optional",
-               "tested", "recognise"}
+               "tested", "recognise", "repository"}
 _RECOGNISE_KEYS = {"core_version", "present", "absent", "contains", "lacks"}
 _IGNORED_DIRS = {"__pycache__"}
 
@@ -121,6 +121,9 @@ def _check_entry(path: Path, number: int, entry: Any, problems: list[Problem]) -
         for item in optional:
             if unsafe_reason(item.rstrip("/")):
                 problems.append(Problem(path, f"{where}: optional path {item!r} is not a path inside the tree"))
+    repository = entry.get("repository", "NVIDIA/Megatron-LM")
+    if not isinstance(repository, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", repository):
+        problems.append(Problem(path, f"{where}: repository {repository!r} must be a GitHub 'owner/name'"))
     tested = entry.get("tested", [])
     if not isinstance(tested, list):
         problems.append(Problem(path, f"{where}: tested must be a list of {{ ref = ..., sha = ... }}"))

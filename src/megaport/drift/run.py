@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 from megaport.catalogue import Catalogue, Series, load_catalogue
 from megaport.errors import MegaportError
 from megaport.git import BlobReader, ObjectReader, is_shallow
-from megaport.selection import read_facts, recognised
+from megaport.selection import family, read_facts, recognised
 from megaport.store import Store
 
 from .check import LoadedSeries, check_series, load_series
@@ -73,7 +73,7 @@ class DriftSession:
         self.max_fuzz = max_fuzz
         self._loaded: dict[str, LoadedSeries] = {}
         self._tried: set[str] = set()
-        self._fetch_failed = False
+        self._fetch_failed: set[str] = set()  # repositories whose tested shas could not be fetched
         self._is_shallow: Optional[bool] = None
         self._memo: dict = {}
         tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
@@ -97,8 +97,9 @@ class DriftSession:
     def choose(self, target: Target, tree: BlobReader) -> SeriesDrift:
         """megaport's recognition (docs/selection.md); when it names none or several series, the
         one that fits best."""
-        facts = read_facts(tree)
-        candidates = [s for s in self.catalogue.series if recognised(s, facts, tree)]
+        facts = read_facts(tree, self.catalogue.forks)
+        series_pool = family(self.catalogue, facts) or list(self.catalogue.series)
+        candidates = [s for s in series_pool if recognised(s, facts, tree)]
         described = facts.description
         if len(candidates) == 1:
             series = candidates[0]
@@ -106,10 +107,10 @@ class DriftSession:
             if only.status not in BROKEN:
                 return only
             # As apply does: a recognised series that does not apply yields to the best fit.
-            pool = list(self.catalogue.series)
+            pool = series_pool
             why = f"{described} matches {series.name} but it does not apply"
         else:
-            pool = candidates or list(self.catalogue.series)
+            pool = candidates or series_pool
             why = f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
         # Ranking needs only statuses; the nearest matches and moved files of the one reported are
         # looked for once it is chosen (a third of the time of a long history on drift_history.py).
@@ -157,7 +158,7 @@ class DriftSession:
         time (each at most once per run), until ``satisfied()``."""
         if satisfied():
             return True
-        if self._fetch_failed or not self._shallow():
+        if series.repository in self._fetch_failed or not self._shallow():
             return False
         for tested in reversed(series.tested):
             sha = tested.sha
@@ -169,7 +170,8 @@ class DriftSession:
             try:
                 self.store.resolve(self.url, sha, progress=False)
             except MegaportError:
-                self._fetch_failed = True  # offline, or the catalogue names shas this repo lacks
+                # Offline, or the catalogue names shas this repo lacks (another repository's series).
+                self._fetch_failed.add(series.repository)
                 return False
             self.objects.objects_added()
             self.moves.add_base(sha)

@@ -206,6 +206,40 @@ def install_target_stack_compat() -> list:
 
 install_target_stack_compat()
 
+# microsoft/Megatron-DeepSpeed (2022-08 on) imports deepspeed.compression.compress in
+# megatron/training.py unconditionally, for --compression-training only; DeepSpeed 0.18 removed its
+# compression library (deepspeed.compression is a stub package now). Where it is missing, the
+# module is served with both functions refusing --compression-training, and one port line says so.
+_DEEPSPEED_COMPRESSION = "deepspeed.compression.compress"
+
+
+class _RemovedDeepSpeedCompression(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on sys.meta_path: asked only when DeepSpeed itself has no such module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname == _DEEPSPEED_COMPRESSION else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        def removed(*args, **kwargs):
+            raise RuntimeError("--compression-training needs DeepSpeed's compression library, which DeepSpeed "
+                               "0.18 removed: install deepspeed<0.18 for it")
+
+        module.init_compression = module.redundancy_clean = removed
+        say_once("this DeepSpeed has no compression library (removed in 0.18): "
+                 "--compression-training is switched off (it raises); everything else trains as before")
+
+
+def serve_removed_deepspeed_compression() -> None:
+    """Put the finder last on sys.meta_path (once)."""
+    if not any(isinstance(f, _RemovedDeepSpeedCompression) for f in sys.meta_path):
+        sys.meta_path.append(_RemovedDeepSpeedCompression())
+
+
+serve_removed_deepspeed_compression()
+
 _SAID = set()
 
 
@@ -381,10 +415,35 @@ _AFTER_IMPORT_WITHOUT_TE = {
     "megatron.core.transformer.torch_layer_norm": _ignore_persist_layer_norm,
     "megatron.core.transformer.torch_norm": _ignore_persist_layer_norm,
 }
-# What old upstream code needs right after a module loads, whatever is installed.
+
+
+def _zero_takes_port_fused_adam(module) -> None:
+    """DeepSpeed's ZeRO accepts only the optimizer types it lists, apex's FusedAdam among them when
+    apex imports; Megatron-DeepSpeed hands it the port's FusedAdam in apex's place: list it too."""
+    supported = getattr(module, "ZERO_SUPPORTED_OPTIMIZERS", None)
+    if isinstance(supported, list) and FusedAdam not in supported:
+        supported.append(FusedAdam)
+
+
+def legacy_tensor_types(module) -> None:
+    """DeepSpeed's CUDA accelerator now gives ``FloatTensor``, ``HalfTensor``... as
+    ``functools.partial`` constructors; code written against older DeepSpeed (Megatron-DeepSpeed's
+    Float16Module) uses them as types in ``isinstance``. They are torch.cuda's legacy tensor types
+    again, which construct tensors as well (what DeepSpeed gave before)."""
+    cls = getattr(module, "CUDA_Accelerator", None)
+    for name in ("BFloat16Tensor", "ByteTensor", "DoubleTensor", "FloatTensor", "HalfTensor", "IntTensor",
+                 "LongTensor"):
+        if cls is not None and isinstance(cls.__dict__.get(name), property) and hasattr(torch.cuda, name):
+            setattr(cls, name, property(lambda self, _name=name: getattr(torch.cuda, _name)))
+
+
+# What old upstream code (and DeepSpeed, for Megatron-DeepSpeed) needs right after a module loads,
+# whatever is installed.
 _AFTER_IMPORT_ALWAYS = {
     "megatron.model.vision.utils": _both_resize_names,
     "megatron.model.vision.inpainting": _both_resize_names,
+    "deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam,
+    "deepspeed.accelerator.cuda_accelerator": legacy_tensor_types,
 }
 
 

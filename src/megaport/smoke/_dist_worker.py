@@ -194,6 +194,9 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
     parallel_state, layers = _parallel_modules()
     parallel_state.initialize_model_parallel(world)
     settings = _layer_settings(torch, world)
+    from megaport.smoke._fork import set_default_args
+
+    set_default_args(tree)  # the DeepSpeed fork's layers also read Megatron's global args
 
     def init(w):
         return torch.nn.init.normal_(w, std=0.2)
@@ -262,6 +265,16 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
             ya, _unused = fused(xa)
             ya.backward(torch.ones_like(ya))
         want = 2 * torch.ones(3 * 5, shard, dtype=torch.float64).t() @ x.detach().double().cpu().reshape(-1, hidden)
+        from megaport.smoke._fork import fuses_wgrad
+
+        if not fuses_wgrad(layers):
+            # The DeepSpeed fork commented the fused path out at its 2023-07 merge: the flag does
+            # nothing there, and weight.grad takes the gradient as without it.
+            err = max_err(fused.weight.grad, want)
+            untouched = float(fused.weight.main_grad.abs().max()) == 0.0
+            return {"ok": err <= 1e-4 and untouched,
+                    "detail": f"the tree's layers never fuse (fused path commented out): weight.grad error {err:.2g} "
+                              f"after 2 micro-batches; main_grad untouched: {untouched}"}
         err = max_err(fused.weight.main_grad, want)
         no_grad = fused.weight.grad is None
         return {"ok": err <= 1e-4 and no_grad,

@@ -37,6 +37,12 @@ SHIMS = {
     "apex": "apex, amp_C and the layer-norm/wgrad extensions served by the port's PyTorch stand-ins "
             "(what a ROCm apex build gives); the fusions under test stay upstream's unfused paths",
     "fused-kernel-build": "upstream's nvcc build of its CUDA extensions at start-up skipped",
+    "deepspeed-compression": "DeepSpeed's removed compression module (Megatron-DeepSpeed imports it for "
+                             "--compression-training) served as the port serves it: its functions raise",
+    "deepspeed-tensor-types": "DeepSpeed's accelerator gives torch.cuda's legacy tensor types for FloatTensor, "
+                              "HalfTensor... again (the port's step; Megatron-DeepSpeed uses them in isinstance)",
+    "fork-attention-view": "Megatron-DeepSpeed from 676a482c: CoreAttention gets contiguous query/key/value (its "
+                           "views fail on the strided slices of its QKV split on every device; the same values)",
 }
 _NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
     (re.compile(r"No module named '(transformer_engine)|No package metadata was found for transformer.engine"),
@@ -45,6 +51,9 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"No module named '(apex|amp_C|fused_\w*_cuda|\w*layer_norm_cuda)|Apex must (currently )?be installed"),
      "apex"),
     (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
+    (re.compile(r"No module named 'deepspeed\.compression\.compress'"), "deepspeed-compression"),
+    (re.compile(r"view size is not compatible with input tensor's size and stride"), "fork-attention-view"),
+    (re.compile(r"isinstance\(\) arg 2 must be a type"), "deepspeed-tensor-types"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "amp_C": "from _megaport_standins import amp_C as _m\nglobals().update(vars(_m))\n",
@@ -101,6 +110,64 @@ class _SkipKernelBuild:
 
 sys.meta_path.insert(0, _SkipKernelBuild())
 '''
+
+# apex's RMSNorm module, which Megatron-DeepSpeed imports from apex.normalization on 'cuda' (2023-12
+# on): torch's RMSNorm with apex's signature, appended to the apex shim's apex.normalization.
+_APEX_RMSNORM = """
+
+import torch as _torch
+
+
+class MixedFusedRMSNorm(_torch.nn.RMSNorm):
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, **kwargs):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+
+
+FusedRMSNorm = MixedFusedRMSNorm
+"""
+# What the apex shim's modules also hold: apex's own __init__ imports its optimizers and
+# normalization (DeepSpeed's ZeRO lists apex.optimizers.FusedAdam when `import apex` has it).
+_APEX_ADDED = {"apex/__init__": "from . import optimizers, normalization\n",
+               "apex/normalization/__init__": _APEX_RMSNORM}
+_FORK_ATTENTION_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _contiguous_core_attention(module):
+    """CoreAttention.forward gets contiguous query, key and value: the same values, in a layout
+    its views accept."""
+    forward = module.CoreAttention.forward
+
+    def contiguous_forward(self, query_layer, key_layer, value_layer, *args, **kwargs):
+        return forward(self, query_layer.contiguous(), key_layer.contiguous(), value_layer.contiguous(),
+                       *args, **kwargs)
+
+    module.CoreAttention.forward = contiguous_forward
+
+
+after_import("megatron.model.transformer", _contiguous_core_attention)
+'''
+
+
+def _legacy_tensor_types_source(port_source: str) -> str:
+    """The port's step restoring DeepSpeed's legacy tensor types, run after its accelerator loads."""
+    tree = ast.parse(port_source)
+    step = next(node for node in tree.body if getattr(node, "name", None) == "legacy_tensor_types")
+    return ("import torch\nfrom megaport.train.hooks import after_import\n\n\n"
+            + ast.get_source_segment(port_source, step)
+            + "\n\n\nafter_import('deepspeed.accelerator.cuda_accelerator', legacy_tensor_types)\n")
+
+
+def _deepspeed_compression_source(port_source: str) -> str:
+    """The port's serving of DeepSpeed's removed compression module, from rocm_port.py's source."""
+    tree = ast.parse(port_source)
+    wanted = {"_DEEPSPEED_COMPRESSION", "_RemovedDeepSpeedCompression", "_SAID", "say_once",
+              "serve_removed_deepspeed_compression"}
+    parts = [ast.get_source_segment(port_source, node) for node in tree.body
+             if getattr(node, "name", None) in wanted
+             or any(getattr(t, "id", None) in wanted for t in getattr(node, "targets", []))]
+    return "import importlib.abc\nimport os\n\n" + "\n\n".join(parts) + "\n\n\nserve_removed_deepspeed_compression()\n"
+
 
 _TE_STUB_SOURCE = '''"""Import stub of TransformerEngine for megaport's baseline run: it provides nothing.
 
@@ -222,11 +289,19 @@ def write_shims(folder: str, shims: list) -> None:
         # The port's module, minus its import blocker (which refuses apex) and its restoration of
         # removed names (the "stack" shim, added only where the run needs it).
         standins = port.replace("\ninstall_import_blocker()\n", "\n").replace("\ninstall_target_stack_compat()\n", "\n")
+        # ... and its serving of DeepSpeed's removed compression module (the "deepspeed-compression" shim).
+        standins = standins.replace("\nserve_removed_deepspeed_compression()\n", "\n")
         _write(folder, "_megaport_standins", standins)
         for module, text in _APEX_MODULES.items():
-            _write(folder, module, text)
+            _write(folder, module, text + _APEX_ADDED.get(module, ""))
     if "fused-kernel-build" in shims:
         startup.append(_KERNEL_BUILD_HOOK)
+    if "deepspeed-compression" in shims:
+        startup.append(_deepspeed_compression_source(port))
+    if "deepspeed-tensor-types" in shims:
+        startup.append(_legacy_tensor_types_source(port))
+    if "fork-attention-view" in shims:
+        startup.append(_FORK_ATTENTION_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
 
 
@@ -237,7 +312,7 @@ def with_shims(env: dict, folder: str, shims: list) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def with_fewest_shims(start, env: dict, *, attempts: int = 5) -> tuple:
+def with_fewest_shims(start, env: dict, *, attempts: int = 8) -> tuple:
     """``start(env)`` on an unported upstream, retried with one more shim each time it fails for a
     shim's reason: (its result, the shims it needed). Any other failure is raised as it is."""
     shims: list = []

@@ -58,7 +58,12 @@ def main(argv=None) -> int:
         from megaport.train import cpu as substitutions
 
         placement = substitutions.install(torch)
-        for line in substitutions.SUBSTITUTIONS:
+        lines = list(substitutions.SUBSTITUTIONS)
+        from megaport import deepspeed
+
+        if deepspeed.is_deepspeed_tree(os.path.dirname(os.path.abspath(argv[0]))):
+            lines.append(deepspeed.install_cpu_substitution())
+        for line in lines:
             print(f"{substitutions.MARK} {line}", flush=True)
     if listing:
         _report_options()

@@ -29,7 +29,8 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 
-from megaport.train import example, log
+from megaport import deepspeed
+from megaport.train import deepspeed_example, example, log
 from megaport.train.cpu import MARK as CPU_MARK
 from megaport.train.launch import PEAK
 
@@ -50,6 +51,9 @@ class Run:
     warmup: int = 3  # logged iterations left out of ms/iter (compilation, allocator warm-up)
     dropout: float | None = None  # None keeps the example's; 0.0 where loss parity needs it
     nproc: int = 1
+    # Megatron-DeepSpeed trees: "deepspeed" (the example's --deepspeed, DeepSpeed's engine) or
+    # "megatron" (its DeepSpeed flags left out: Megatron's own loop). Upstream trees ignore it.
+    engine: str = "deepspeed"
 
 
 @dataclass
@@ -69,8 +73,12 @@ class Command:
 
 def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     """The torchrun command of the tree's pretrain_gpt.py for ``run``; data files go to ``workdir``."""
-    tokens, source = example.example_flags(run.tree)
-    notes = [f"flags of {source}, changed in size, iterations and data only"]
+    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine)
+    if fork is not None:
+        tokens, notes = fork.tokens, list(fork.notes)
+    else:
+        tokens, source = example.example_flags(run.tree)
+        notes = [f"flags of {source}, changed in size, iterations and data only"]
     if example.parser_has(run.tree, "--mock-data"):
         data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
     else:
@@ -78,7 +86,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
 
         data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN)
         described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
-    flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes)
+    flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
         flags += example.fusions_off_flags(run.tree)
     if run.dropout is not None:
@@ -99,13 +107,38 @@ def environment(tree: str, base: dict | None = None) -> dict:
     folders = [os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or ""]
     env.update(PYTHONPATH=os.pathsep.join(paths), CUDA_DEVICE_MAX_CONNECTIONS="1",
                PATH=os.pathsep.join([f for f in folders if f] + [env.get("PATH", "")]))
-    return env
+    return deepspeed.accelerator_env(tree, env)
 
 
 def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
     """Run the tree's pretrain_gpt.py for ``run`` and read its log: losses per logged iteration,
     ms/iter (median after ``run.warmup``), tokens/s, peak memory, the command and what the port
-    and the CPU substitutions said. Raises RuntimeError with the log's end when it fails."""
+    and the CPU substitutions said. Raises RuntimeError with the log's end when it fails.
+
+    A Megatron-DeepSpeed tree runs its example with DeepSpeed's engine; where the engine refuses
+    this machine (:func:`deepspeed_example.engine_refused`), it runs again through Megatron's own
+    loop, and ``engine`` in the result says which ran and why."""
+    if deepspeed.is_deepspeed_tree(run.tree) and run.engine == "deepspeed":
+        try:
+            document = _run_pretrain(run, env, timeout=timeout)
+        except RuntimeError as exc:
+            reason = deepspeed_example.engine_refused(str(exc))
+            if reason is None:
+                raise
+            document = _run_pretrain(dataclasses.replace(run, engine="megatron"), env, timeout=timeout)
+            document["engine"] = {"name": "megatron", "described": deepspeed_example.DESCRIBE["megatron"],
+                                  "deepspeed_refused": reason}
+            document["notes"].append(f"DeepSpeed's engine refused this machine ({reason}): Megatron's own loop ran")
+            return document
+        document["engine"] = {"name": "deepspeed", "described": deepspeed_example.DESCRIBE["deepspeed"]}
+        return document
+    document = _run_pretrain(run, env, timeout=timeout)
+    if deepspeed.is_deepspeed_tree(run.tree):
+        document["engine"] = {"name": run.engine, "described": deepspeed_example.DESCRIBE[run.engine]}
+    return document
+
+
+def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaport-pretrain-") as workdir:
         cmd = command(run, workdir)
         proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=environment(run.tree, env), capture_output=True,
@@ -158,6 +191,9 @@ def main(argv=None) -> int:
     for name, value in dataclasses.asdict(GPU_SIZES).items():
         parser.add_argument(f"--{name}", type=int, help=f"default {value} on a GPU, "
                             f"{getattr(example.Sizes(), name)} on the CPU")
+    parser.add_argument("--engine", choices=deepspeed_example.ENGINES, default="deepspeed",
+                        help="Megatron-DeepSpeed trees: DeepSpeed's engine (the example's --deepspeed) or "
+                             "Megatron's own loop")
     parser.add_argument("--print-command", action="store_true",
                         help="write the run's data files (eras without --mock-data) to --workdir, print the "
                              "command and exit")
@@ -168,13 +204,14 @@ def main(argv=None) -> int:
     defaults = GPU_SIZES if args.device == "cuda" else example.Sizes()
     sizes = example.Sizes(**{k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in dataclasses.asdict(defaults).items()})
-    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=sizes)
+    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=sizes, engine=args.engine)
     if args.print_command:
         workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
         os.makedirs(workdir, exist_ok=True)
         cmd = command(run, workdir, port=29500)
         env = environment(run.tree, {})
-        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS")}))
+        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed.ACCELERATOR_ENV)
+                         if k in env}))
         return 0
     print(json.dumps(run_pretrain(run)))
     return 0

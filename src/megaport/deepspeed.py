@@ -1,0 +1,117 @@
+"""microsoft/Megatron-DeepSpeed trees, and DeepSpeed on this machine.
+
+The fork imports deepspeed unconditionally and chooses code paths by DeepSpeed's accelerator
+(``get_accelerator().device_name() == 'cuda'``), which is 'cuda' on ROCm GPUs too: there the fork
+takes apex and the fused kernels, which the series serve in PyTorch. On a machine without a GPU
+DeepSpeed picks its CPU accelerator and the fork other paths (torch's Adam, torch's LayerNorm), so
+runs that check the port on a CPU set ``DS_ACCELERATOR=cuda``: the fork then takes the paths it
+takes on a ROCm GPU, with megaport's CPU substitutions under them (:mod:`megaport.train.cpu`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+#: What DeepSpeed picks on ROCm (and CUDA) GPUs, and so what a check of the port must run.
+GPU_ACCELERATOR = "cuda"
+
+
+def is_deepspeed_tree(tree) -> bool:
+    """A Megatron-DeepSpeed tree: its pretrain_gpt.py imports deepspeed at module level."""
+    path = os.path.join(str(tree), "pretrain_gpt.py")
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return re.search(r"^import deepspeed\b", f.read(), re.M) is not None
+
+
+def accelerator_env(tree, env: dict) -> dict:
+    """``env`` with DeepSpeed's accelerator set to the GPU one for a fork tree, unless the user set it."""
+    if is_deepspeed_tree(tree) and not env.get(ACCELERATOR_ENV):
+        env = {**env, ACCELERATOR_ENV: GPU_ACCELERATOR}
+    return env
+
+
+def status() -> dict | None:
+    """DeepSpeed's version, its accelerator and its ops' status (what ``ds_report`` shows: whether
+    each op is prebuilt into the wheel and whether it can be built at run time here), without
+    building anything; None when DeepSpeed is not installed. Runs in a subprocess: importing
+    deepspeed imports torch and picks an accelerator."""
+    import json
+    import subprocess
+    import sys
+
+    code = r'''
+import json, os
+os.environ.setdefault("DS_BUILD_OPS", "0")
+try:
+    import deepspeed
+except ImportError:
+    print(json.dumps(None)); raise SystemExit(0)
+from deepspeed.accelerator import get_accelerator
+ops = {}
+try:
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except Exception:
+        installed_ops = {}
+    for name, builder in sorted(ALL_OPS.items()):
+        try:
+            compatible = bool(builder.is_compatible(verbose=False))
+        except TypeError:
+            compatible = bool(builder.is_compatible())
+        except Exception:
+            compatible = False
+        ops[name] = {"installed": bool(installed_ops.get(name, False)), "compatible": compatible}
+except Exception as exc:
+    ops = {"error": str(exc)}
+accelerator = get_accelerator()
+print(json.dumps({"version": deepspeed.__version__, "accelerator": accelerator.device_name(),
+                  "communication_backend": accelerator.communication_backend_name(), "ops": ops}))
+'''
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "null"))]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"importing deepspeed failed: {tail}"}
+    return json.loads(lines[-1])
+
+
+#: What a CPU run of a fork tree substitutes in DeepSpeed (printed with the other CPU substitutions).
+CPU_SUBSTITUTION = ("DeepSpeed's CUDA accelerator: is_fp16_supported()/is_bf16_supported() answer True "
+                    "(the CPU device of the run has capability (0, 0); ROCm GPUs have both), "
+                    "current_device_name() answers 'cpu'")
+
+
+def _precision_and_placement_on_cpu(module) -> None:
+    """DeepSpeed's CUDA accelerator in a CPU run: its precision queries answer True (the engine's
+    sanity check would refuse fp16/bf16 on the run's capability (0, 0) device) and its current
+    device name is 'cpu' (it is 'cuda:' + current_device(), which the CPU substitutions answer 'cpu')."""
+    cls = getattr(module, "CUDA_Accelerator", None)
+    if cls is not None:
+        cls.is_fp16_supported = lambda self: True
+        cls.is_bf16_supported = lambda self: True
+        cls.current_device_name = lambda self: "cpu"
+
+
+def _accelerator_package_on_cpu(package) -> None:
+    import importlib
+
+    _precision_and_placement_on_cpu(importlib.import_module("deepspeed.accelerator.cuda_accelerator"))
+
+
+def install_cpu_substitution() -> str:
+    """For a fork tree's CPU run (before the script imports deepspeed); the line to report."""
+    from megaport.train.hooks import after_import
+
+    # On the package, not on cuda_accelerator itself: the port's own after-import finder (for
+    # DeepSpeed's legacy tensor types) comes first on sys.meta_path and would answer for that module.
+    after_import("deepspeed.accelerator", _accelerator_package_on_cpu)
+    return CPU_SUBSTITUTION

@@ -1,0 +1,40 @@
+"""One step run right after a module loads, before anyone uses it: for CPU runs and baselines.
+
+``after_import("deepspeed.accelerator.cuda_accelerator", step)`` puts a finder first on
+``sys.meta_path``; when the module is imported, the real loader runs it, then ``step(module)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+
+class _AfterImport:
+    def __init__(self, fullname: str, step):
+        self.fullname, self.step = fullname, step
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.fullname:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        real, step = spec.loader.exec_module, self.step
+
+        def exec_module(module):
+            real(module)
+            step(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def after_import(fullname: str, step) -> None:
+    """Run ``step(module)`` once ``fullname`` has loaded (installed once per module name)."""
+    if not any(isinstance(f, _AfterImport) and f.fullname == fullname for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(fullname, step))

@@ -1,0 +1,76 @@
+"""Against a full microsoft/Megatron-DeepSpeed clone (MEGAPORT_DEEPSPEED_CLONE; skipped otherwise).
+
+The fork's series are first-class: every first-parent commit from its first DeepSpeed merge
+(b56b50bb, 2021-07-02) to its HEAD ports with the series megaport picks, no fuzz, no conflict; each
+tested ref of a fork series is chosen and applies; and the fork's HEAD, its 2023-07 upstream merge
+and a 2022 commit port, import and give their era's softmax semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from support.porting import assert_clean, assert_kernel_semantics, check_tree, port, semantics_of
+
+from megaport.catalogue import load_catalogue
+from megaport.cli import main
+
+pytestmark = pytest.mark.fullclone
+
+REPOSITORY = "microsoft/Megatron-DeepSpeed"
+FIRST_DEEPSPEED_MERGE = "b56b50bb4728ef72c8e3586f1c9f89558f542cae"  # 2021-07-02, megatron-2.4-ds-pipe
+# The fork's HEAD, its merge of upstream main (2023-07-04), and a 2022 commit (MoE support).
+VERIFY_REFS = ["f4157bea", "9e72d571", "50b32515"]
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+
+def fork_series():
+    return [s for s in load_catalogue().series if s.repository == REPOSITORY]
+
+
+def test_every_fork_commit_since_2021_07_ports_clean_or_offset(deepspeed_clone):
+    head = git(deepspeed_clone, "rev-parse", "HEAD").strip()
+    count = len(git(deepspeed_clone, "rev-list", "--first-parent", f"{FIRST_DEEPSPEED_MERGE}~1..{head}").split())
+    result = CliRunner().invoke(main, ["drift", "--repo", str(deepspeed_clone), "--ref", head, "--last", str(count),
+                                       "--series", "auto", "--format", "json"])
+    assert result.exit_code in (0, 1), result.output
+    refs = json.loads(result.stdout)["refs"]
+    assert len(refs) == count >= 210
+    names = {s.name for s in fork_series()}
+    bad = [f"{r['ref']} {r['sha'][:10]}: {r['series']} {r['status']}" for r in refs
+           if r["status"] not in ("clean", "offset") or r["series"] not in names]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_tested_fork_ref_is_chosen_and_applies(deepspeed_clone, tmp_path):
+    failures = []
+    for series in fork_series():
+        for tested in series.tested:
+            code, report, output = port(deepspeed_clone, tested.sha, tmp_path / "d", "--dry-run")
+            if code != 0 or report.get("series") != series.name:
+                failures.append(f"{series.name} @ {tested.label}: got {report.get('series')} ({code})")
+                continue
+            assert_clean(report)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("ref", VERIFY_REFS)
+def test_fork_ports_and_gives_its_era_softmax(deepspeed_clone, ref, tmp_path, fake_cuda_modules):
+    dest = tmp_path / "ported"
+    code, report, output = port(deepspeed_clone, ref, dest)
+    assert code == 0, output
+    assert report["series"] in {s.name for s in fork_series()}
+    assert_clean(report)
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    semantics = semantics_of(report["series"])
+    found = check_tree(dest, fake_cuda_modules, semantics)
+    assert "missing_dependency" not in found, found
+    assert_kernel_semantics(found, semantics)

@@ -1,0 +1,162 @@
+"""The Megatron-DeepSpeed training plumbing, on a synthetic fork tree (no clone, no DeepSpeed run).
+
+The fork's example script becomes the run's flags and DeepSpeed config, changed in size only and
+with ZeRO stage 1; fork trees run with DeepSpeed's GPU accelerator; a run DeepSpeed's engine
+refuses is told apart from a failure of the tree; the baseline finds its fork shims by the
+failures they answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megaport import deepspeed
+from megaport.smoke import _fork
+from megaport.train import baseline, deepspeed_example, example, pretrain
+
+SCRIPT = """#!/bin/bash
+set -ex
+BASE_PATH=/vc_data/Megatron-LM/data
+DATA_PATH=${BASE_PATH}/indexed_datasets/megatron
+DS_CONFIG=ds_config.json
+TP=1
+NLAYERS=24
+HIDDEN=512
+GLOBAL_BATCH=64
+MICRO_BATCH=4
+ZERO_STAGE=2
+OUTPUT_DIR=ds_z${ZERO_STAGE}_nl${NLAYERS}
+cat <<EOT > $DS_CONFIG
+{
+  "train_batch_size" : $GLOBAL_BATCH,
+  "train_micro_batch_size_per_gpu": $MICRO_BATCH,
+  "steps_per_print": 1,
+  "zero_optimization": { "stage": $ZERO_STAGE },
+  "fp16": { "enabled": true, "initial_scale_power": 12 },
+  "wall_clock_breakdown" : true
+}
+EOT
+ds_args=""
+ds_args=" --deepspeed ${ds_args}"
+ds_args=" --no-pipeline-parallel ${ds_args}"
+ds_args=" --deepspeed_config=$DS_CONFIG ${ds_args}"
+ds_args=" --zero-stage=$ZERO_STAGE ${ds_args}"
+deepspeed pretrain_gpt.py \\
+    --tensor-model-parallel-size $TP \\
+    --num-layers $NLAYERS \\
+    --hidden-size $HIDDEN \\
+    --num-attention-heads 16 \\
+    --seq-length 256 \\
+    --micro-batch-size 4 \\
+    --global-batch-size 1024 \\
+    --train-iters 1000 \\
+    --lr 6.0e-5 \\
+    --data-path $DATA_PATH \\
+    --tensorboard-dir $OUTPUT_DIR \\
+    --fp16 \\
+    $ds_args \\
+    --exit-interval 5000 | tee ${OUTPUT_DIR}/output.log
+"""
+
+
+def fork_tree(root: Path, layout: str = "examples_deepspeed") -> Path:
+    (root / layout).mkdir(parents=True)
+    (root / layout / "run_deepspeed_example.sh").write_text(SCRIPT)
+    (root / "pretrain_gpt.py").write_text("import torch\nimport deepspeed\nfrom megatron import get_args\n")
+    return root
+
+
+def test_fork_example_is_the_script_shrunk_with_zero_stage_1(tmp_path):
+    tree = fork_tree(tmp_path / "tree")
+    sizes = example.Sizes()
+    fork = deepspeed_example.fork_example(str(tree), str(tmp_path), sizes)
+    assert fork.source == "examples_deepspeed/run_deepspeed_example.sh"
+    flags = example.shrunk(fork.tokens, sizes, data=["DATA"])
+    assert flags[:4] == ["--tensor-model-parallel-size", "1", "--num-layers", "2"]
+    assert "--hidden-size" in flags and flags[flags.index("--hidden-size") + 1] == "64"
+    assert "--fp16" in flags and "--exit-interval" in flags
+    assert "|" not in flags and "tee" not in flags and "--data-path" not in flags  # I/O replaced
+    config_file = str(tmp_path / "ds_config.json")
+    assert fork.deepspeed == ["--zero-stage", "1", "--deepspeed_config", config_file, "--no-pipeline-parallel",
+                              "--deepspeed"]
+    written = json.loads(Path(config_file).read_text())
+    assert written["zero_optimization"] == {"stage": 1}
+    assert written["train_batch_size"] == written["train_micro_batch_size_per_gpu"] == sizes.batch
+    assert written["fp16"] == {"enabled": True, "initial_scale_power": 12}  # the script's, kept
+
+
+def test_megatron_engine_leaves_the_deepspeed_flags_out(tmp_path):
+    tree = fork_tree(tmp_path / "tree", layout="examples")
+    fork = deepspeed_example.fork_example(str(tree), str(tmp_path), example.Sizes(), engine="megatron")
+    assert fork.source == "examples/run_deepspeed_example.sh"
+    assert fork.deepspeed == [] and not (tmp_path / "ds_config.json").exists()
+    assert deepspeed_example.DESCRIBE["megatron"] in fork.notes
+
+
+def test_upstream_tree_is_not_a_fork(tmp_path):
+    tree = tmp_path / "up"
+    (tree / "examples").mkdir(parents=True)
+    (tree / "pretrain_gpt.py").write_text("import torch\nfrom megatron import get_args\n")
+    (tree / "examples/run_deepspeed_example.sh").write_text(SCRIPT)
+    assert deepspeed_example.fork_example(str(tree), str(tmp_path), example.Sizes()) is None
+    assert deepspeed.accelerator_env(tree, {}) == {}
+
+
+def test_fork_trees_run_with_deepspeeds_gpu_accelerator_unless_the_user_chose(tmp_path):
+    tree = fork_tree(tmp_path / "tree")
+    assert deepspeed.accelerator_env(tree, {})[deepspeed.ACCELERATOR_ENV] == "cuda"
+    assert deepspeed.accelerator_env(tree, {deepspeed.ACCELERATOR_ENV: "cpu"})[deepspeed.ACCELERATOR_ENV] == "cpu"
+    assert pretrain.environment(str(tree), {})[deepspeed.ACCELERATOR_ENV] == "cuda"
+
+
+def test_the_command_carries_the_fork_example_and_its_deepspeed_flags(tmp_path):
+    tree = fork_tree(tmp_path / "tree")
+    cmd = pretrain.command(pretrain.Run(tree=str(tree)), str(tmp_path), port=29500)
+    argv = cmd.argv[cmd.argv.index("pretrain_gpt.py") + 1:]
+    assert argv[-1] == "--deepspeed" and "--zero-stage" in argv
+    assert any("run_deepspeed_example.sh" in note for note in cmd.notes)
+
+
+def test_engine_refusal_is_told_apart_from_a_failure_of_the_tree():
+    refused = ('pretrain_gpt.py failed (exit code 1): ValueError: Type fp16 is not supported on your device.\n'
+               '  File ".../deepspeed/runtime/engine.py", line 2004, in _do_sanity_check')
+    assert deepspeed_example.engine_refused(refused).startswith("ValueError: Type fp16 is not supported on your device.")
+    merge = "AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'scale_loss'. Did you mean"
+    assert "scale_loss" in deepspeed_example.engine_refused(merge)
+    assert deepspeed_example.engine_refused("ImportError: cannot import name 'x' (engine.py)") is None
+    assert deepspeed_example.engine_refused("AttributeError: 'Namespace' object has no attribute 'scale_loss'") is None
+
+
+def test_baseline_finds_the_fork_shims_by_their_failures():
+    assert baseline.shim_for("ModuleNotFoundError: No module named 'deepspeed.compression.compress'", []) == \
+        "deepspeed-compression"
+    view = "RuntimeError: view size is not compatible with input tensor's size and stride (at least one dimension"
+    assert baseline.shim_for(view, []) == "fork-attention-view"
+    assert baseline.shim_for(view, ["fork-attention-view"]) is None
+    assert set(baseline._APEX_ADDED) <= set(baseline._APEX_MODULES)
+
+
+def test_fused_wgrad_is_seen_only_in_live_code():
+    import types
+
+    live = types.ModuleType("live")
+    commented = types.ModuleType("commented")
+    assert _fork.fuses_wgrad(live)  # no source: assume the era fuses
+    # inspect reads the module's file: write two small ones
+    import importlib.util
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name, body in (("live", "def f(g):\n    g.wgrad_gemm_accum_fp32(1)\n"),
+                           ("commented", "def f(g):\n    # g.wgrad_gemm_accum_fp32(1)\n    return 0\n")):
+            path = Path(folder) / f"{name}.py"
+            path.write_text(body)
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            if name == "live":
+                live = module
+            else:
+                commented = module
+        assert _fork.fuses_wgrad(live) and not _fork.fuses_wgrad(commented)
