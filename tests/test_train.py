@@ -130,19 +130,6 @@ def test_fusions_off_flags_are_those_the_eras_parser_has(tmp_path):
                                                          "--transformer-impl", "local"]
 
 
-def test_fusions_off_names_the_local_spec_where_pretrain_gpt_ignores_transformer_impl(tmp_path):
-    """2023-10..2024-02's pretrain_gpt.py builds the TE spec under --use-mcore-models whatever
-    --transformer-impl says: a user without TE names the local spec with --spec."""
-    (tmp_path / "megatron").mkdir()
-    (tmp_path / "megatron/arguments.py").write_text("add('--transformer-impl'); add('--spec')\n")
-    script = tmp_path / "pretrain_gpt.py"
-    script.write_text("spec = get_gpt_layer_with_transformer_engine_spec()\n")
-    assert example.fusions_off_flags(str(tmp_path))[-3:] == example.LOCAL_SPEC
-    script.write_text("if args.transformer_impl == 'local': spec = get_gpt_layer_local_spec()\n"
-                      "else: spec = get_gpt_layer_with_transformer_engine_spec()\n")
-    assert example.fusions_off_flags(str(tmp_path)) == ["--transformer-impl", "local"]
-
-
 def test_the_tiny_dataset_reads_back_through_upstreams_reader(core_upstream, tmp_path):
     docs = data.learnable_documents(12, 40, 257, seed=3)
     prefix = str(tmp_path / "tiny_text_document")
@@ -310,6 +297,8 @@ def test_print_command_needs_a_megatron_lm_tree(tmp_path, capsys):
     ("ModuleNotFoundError: No module named 'amp_C'", "apex"),
     ("ModuleNotFoundError: No module named 'apex'", "apex"),
     ("TypeError: expected str, bytes or os.PathLike object, not NoneType (cpp_extension.CUDA_HOME)", "fused-kernel-build"),
+    ("ImportError: transformer_engine is a megaport baseline stub: TransformerEngine is not installed when "
+     "instantiating TEDotProductAttention when instantiating SelfAttention", "te-spec"),
     ("AssertionError: loss is nan", None),
 ])
 def test_a_baseline_shim_is_added_only_for_its_own_failure(failure, shim):

@@ -18,6 +18,10 @@ smallest shim that lets it start, each listed in the report (:data:`SHIMS`):
   unfused paths.
 - ``fused-kernel-build``: until 2023 upstream compiles its CUDA extensions with nvcc at start-up,
   even with the fusions off; the build is skipped (the ``apex`` shim serves the extensions).
+- ``te-spec``: core 0.4-0.5's pretrain_gpt.py builds the TE layer spec whatever
+  --transformer-impl says, and its --spec takes no builder; with the TE stub that model cannot be
+  built. The TE spec builds Megatron's local layers, as a user without TE would edit it to do (the
+  model the port builds there).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ SHIMS = {
     "apex": "apex, amp_C and the layer-norm/wgrad extensions served by the port's PyTorch stand-ins "
             "(what a ROCm apex build gives); the fusions under test stay upstream's unfused paths",
     "fused-kernel-build": "upstream's nvcc build of its CUDA extensions at start-up skipped",
+    "te-spec": "the TE GPT layer spec builds Megatron's local layers (core 0.4-0.5's pretrain_gpt.py takes the TE spec "
+               "whatever --transformer-impl says and its --spec takes no builder: what a user without TE edits it to "
+               "do; the model the port builds)",
     "deepspeed-compression": "DeepSpeed's removed compression module (Megatron-DeepSpeed imports it for "
                              "--compression-training) served as the port serves it: its functions raise",
     "deepspeed-tensor-types": "DeepSpeed's accelerator gives torch.cuda's legacy tensor types for FloatTensor, "
@@ -51,6 +58,7 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"No module named '(apex|amp_C|fused_\w*_cuda|\w*layer_norm_cuda)|Apex must (currently )?be installed"),
      "apex"),
     (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
+    (re.compile(r"megaport baseline stub: TransformerEngine is not installed when instantiating TE"), "te-spec"),
     (re.compile(r"No module named 'deepspeed\.compression\.compress'"), "deepspeed-compression"),
     (re.compile(r"view size is not compatible with input tensor's size and stride"), "fork-attention-view"),
     (re.compile(r"isinstance\(\) arg 2 must be a type"), "deepspeed-tensor-types"),
@@ -129,6 +137,16 @@ FusedRMSNorm = MixedFusedRMSNorm
 # normalization (DeepSpeed's ZeRO lists apex.optimizers.FusedAdam when `import apex` has it).
 _APEX_ADDED = {"apex/__init__": "from . import optimizers, normalization\n",
                "apex/normalization/__init__": _APEX_RMSNORM}
+_TE_SPEC_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _local_spec_for_te_spec(module):
+    module.get_gpt_layer_with_transformer_engine_spec = module.get_gpt_layer_local_spec
+
+
+after_import("megatron.core.models.gpt.gpt_layer_specs", _local_spec_for_te_spec)
+'''
 _FORK_ATTENTION_HOOK = '''
 from megaport.train.hooks import after_import
 
@@ -302,6 +320,8 @@ def write_shims(folder: str, shims: list) -> None:
         startup.append(_legacy_tensor_types_source(port))
     if "fork-attention-view" in shims:
         startup.append(_FORK_ATTENTION_HOOK)
+    if "te-spec" in shims:
+        startup.append(_TE_SPEC_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
 
 

@@ -143,15 +143,9 @@ def parser_text(tree: str) -> str:
     return ""
 
 
-#: The local layer spec, for ``--spec``: what a user without TransformerEngine names where the
-#: era's pretrain_gpt.py builds the TE spec whatever --transformer-impl says (2023-10 to 2024-02).
-LOCAL_SPEC = ["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]
-
-
 def fusions_off_flags(tree: str) -> list:
     """:data:`FUSIONS_OFF_FLAGS` less those the era's parser would refuse (``--no-rope-fusion``
-    exists from 2024-01, ``--transformer-impl`` from 2022-12), and :data:`LOCAL_SPEC` where the
-    tree's pretrain_gpt.py ignores --transformer-impl and the parser has --spec."""
+    exists from 2024-01, ``--transformer-impl`` from 2022-12)."""
     out, i = [], 0
     while i < len(FUSIONS_OFF_FLAGS):
         flag = FUSIONS_OFF_FLAGS[i]
@@ -159,11 +153,6 @@ def fusions_off_flags(tree: str) -> list:
         if parser_has(tree, flag):
             out += FUSIONS_OFF_FLAGS[i:i + takes]
         i += takes
-    script_path = os.path.join(tree, "pretrain_gpt.py")
-    script = open(script_path, encoding="utf-8").read() if os.path.isfile(script_path) else ""
-    if ("get_gpt_layer_with_transformer_engine_spec" in script and "transformer_impl" not in script
-            and parser_has(tree, "--spec")):
-        out += LOCAL_SPEC
     return out
 
 
