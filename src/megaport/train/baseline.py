@@ -90,33 +90,18 @@ _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
                                            "FusedRMSNormAffineFunction\nfrom torch.nn import LayerNorm as FusedLayerNorm\n",
 }
 _KERNEL_BUILD_HOOK = '''
-class _SkipKernelBuild:
-    """After megatron.fused_kernels (or megatron.legacy.fused_kernels) loads, its load* functions
-    do nothing: the extensions come from the apex shim."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if not fullname.endswith("fused_kernels") or not fullname.startswith("megatron"):
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None:
-            return None
-        real = spec.loader.exec_module
-
-        def exec_module(module):
-            real(module)
-            for name in [n for n in vars(module) if n.startswith("load")]:
-                if callable(getattr(module, name)):
-                    setattr(module, name, lambda *args, **kwargs: None)
-
-        spec.loader.exec_module = exec_module
-        return spec
+from megaport.train.hooks import after_import
 
 
-sys.meta_path.insert(0, _SkipKernelBuild())
+def _skip_kernel_build(module):
+    """megatron's fused_kernels load* functions do nothing: the extensions come from the apex shim."""
+    for name in [n for n in vars(module) if n.startswith("load")]:
+        if callable(getattr(module, name)):
+            setattr(module, name, lambda *args, **kwargs: None)
+
+
+for _fused_kernels in ("megatron.fused_kernels", "megatron.legacy.fused_kernels"):
+    after_import(_fused_kernels, _skip_kernel_build)
 '''
 
 # apex's RMSNorm module, which Megatron-DeepSpeed imports from apex.normalization on 'cuda' (2023-12
