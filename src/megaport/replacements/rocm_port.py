@@ -240,6 +240,7 @@ def serve_removed_deepspeed_compression() -> None:
 
 serve_removed_deepspeed_compression()
 
+
 _SAID = set()
 
 
