@@ -299,12 +299,55 @@ def test_print_command_needs_a_megatron_lm_tree(tmp_path, capsys):
     ("TypeError: expected str, bytes or os.PathLike object, not NoneType (cpp_extension.CUDA_HOME)", "fused-kernel-build"),
     ("ImportError: transformer_engine is a megaport baseline stub: TransformerEngine is not installed when "
      "instantiating TEDotProductAttention when instantiating SelfAttention", "te-spec"),
+    ('  File "/tmp/u/megatron/mpu/layers.py", line 226, in backward\n'
+     "    grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1],\n"
+     "RuntimeError: view size is not compatible with input tensor's size and stride", "wgrad-contiguous"),
+    ('  File "/tmp/u/megatron/model/transformer.py", line 301, in forward\n'
+     "    query_layer = query_layer.view(output_size[2],\n"
+     "RuntimeError: view size is not compatible with input tensor's size and stride", "fork-attention-view"),
+    ("RuntimeError: view size is not compatible with input tensor's size and stride", None),
     ("AssertionError: loss is nan", None),
 ])
 def test_a_baseline_shim_is_added_only_for_its_own_failure(failure, shim):
     assert baseline.shim_for(failure, []) == shim
     if shim:
         assert baseline.shim_for(failure, [shim]) is None  # never twice
+
+
+def test_wgrad_shim_lets_2022s_linear_backward_take_a_non_contiguous_gradient(tmp_path):
+    """2022-02/05 upstream's backward views its gradient in 2-D; the shim hands it a contiguous one."""
+    layers = tmp_path / "tree" / "megatron" / "mpu"
+    layers.mkdir(parents=True)
+    (layers.parent / "__init__.py").write_text("")
+    (layers / "__init__.py").write_text("")
+    (layers / "layers.py").write_text(
+        "import torch\n\n\nclass LinearWithGradAccumulationAndAsyncAllreduce(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, input, weight):\n"
+        "        ctx.save_for_backward(input, weight)\n        return torch.matmul(input, weight.t())\n\n"
+        "    @staticmethod\n    def backward(ctx, grad_output):\n        input, weight = ctx.saved_tensors\n"
+        "        grad_input = grad_output.matmul(weight)\n"
+        "        grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2])\n"
+        "        return grad_input, grad_output.t().matmul(input.reshape(-1, input.shape[2]))\n")
+    code = """
+import torch
+from megatron.mpu.layers import LinearWithGradAccumulationAndAsyncAllreduce as Linear
+x, w = torch.randn(3, 2, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+# A transpose after the layer: autograd hands its backward a non-contiguous gradient.
+Linear.apply(x, w).transpose(0, 1).sum(-1).pow(2).sum().backward()
+want = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+(want[0] @ want[1].t()).transpose(0, 1).sum(-1).pow(2).sum().backward()
+print(torch.allclose(x.grad, want[0].grad), torch.allclose(w.grad, want[1].grad))
+"""
+    def run(shims):
+        env = baseline.with_shims({"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "tree")},
+                                  str(tmp_path / "shims"), shims)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              cwd=tmp_path / "tree")
+    unshimmed = run([])
+    assert baseline.shim_for(unshimmed.stderr, []) == "wgrad-contiguous", unshimmed.stderr[-2000:]
+    shimmed = run(["wgrad-contiguous"])
+    assert shimmed.returncode == 0, shimmed.stderr[-3000:]
+    assert shimmed.stdout.split() == ["True", "True"]
 
 
 def test_baseline_shims_serve_what_unported_old_upstream_imports(tmp_path):

@@ -18,6 +18,10 @@ smallest shim that lets it start, each listed in the report (:data:`SHIMS`):
   unfused paths.
 - ``fused-kernel-build``: until 2023 upstream compiles its CUDA extensions with nvcc at start-up,
   even with the fusions off; the build is skipped (the ``apex`` shim serves the extensions).
+- ``wgrad-contiguous``: from 2022-02 upstream views the gradient in its linear layers' backward
+  in 2-D, which fails where autograd hands it a non-contiguous one (2022-02 and 2022-05 trees on
+  today's torch; upstream made it contiguous itself in 2023-03, 09c2f6e4, and the series carry
+  that). The backward gets it contiguous: the same values.
 - ``te-spec``: core 0.4-0.5's pretrain_gpt.py builds the TE layer spec whatever
   --transformer-impl says, and its --spec takes no builder; with the TE stub that model cannot be
   built. The TE spec builds Megatron's local layers, as a user without TE would edit it to do (the
@@ -48,6 +52,8 @@ SHIMS = {
                              "--compression-training) served as the port serves it: its functions raise",
     "deepspeed-tensor-types": "DeepSpeed's accelerator gives torch.cuda's legacy tensor types for FloatTensor, "
                               "HalfTensor... again (the port's step; Megatron-DeepSpeed uses them in isinstance)",
+    "wgrad-contiguous": "the linear layers' backward gets a contiguous gradient before its 2-D view (upstream's "
+                        "own 2023-03 fix, which the series carry; the same values)",
     "fork-attention-view": "Megatron-DeepSpeed from 676a482c: CoreAttention gets contiguous query/key/value (its "
                            "views fail on the strided slices of its QKV split on every device; the same values)",
 }
@@ -60,7 +66,9 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"CUDA_HOME|nvcc|_get_cuda_bare_metal_version|cpp_extension"), "fused-kernel-build"),
     (re.compile(r"megaport baseline stub: TransformerEngine is not installed when instantiating TE"), "te-spec"),
     (re.compile(r"No module named 'deepspeed\.compression\.compress'"), "deepspeed-compression"),
-    (re.compile(r"view size is not compatible with input tensor's size and stride"), "fork-attention-view"),
+    # Two views that fail the same way, told apart by the line of the traceback that failed.
+    (re.compile(r"grad_output = grad_output\.view\((?s:.*)view size is not compatible"), "wgrad-contiguous"),
+    (re.compile(r"(query|key|value)_layer = \w+\.view\((?s:.*)view size is not compatible"), "fork-attention-view"),
     (re.compile(r"isinstance\(\) arg 2 must be a type"), "deepspeed-tensor-types"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
@@ -149,6 +157,25 @@ def _contiguous_core_attention(module):
 
 
 after_import("megatron.model.transformer", _contiguous_core_attention)
+'''
+
+_WGRAD_CONTIGUOUS_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _contiguous_wgrad_gradient(module):
+    """The linear layers' backward gets a contiguous gradient: the same values, in a layout its
+    2-D view accepts."""
+    function = module.LinearWithGradAccumulationAndAsyncAllreduce
+    backward = function.backward
+
+    def contiguous_backward(ctx, grad_output, *args):
+        return backward(ctx, grad_output.contiguous(), *args)
+
+    function.backward = staticmethod(contiguous_backward)
+
+
+after_import("megatron.mpu.layers", _contiguous_wgrad_gradient)
 '''
 
 
@@ -305,6 +332,8 @@ def write_shims(folder: str, shims: list) -> None:
         startup.append(_legacy_tensor_types_source(port))
     if "fork-attention-view" in shims:
         startup.append(_FORK_ATTENTION_HOOK)
+    if "wgrad-contiguous" in shims:
+        startup.append(_WGRAD_CONTIGUOUS_HOOK)
     if "te-spec" in shims:
         startup.append(_TE_SPEC_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
