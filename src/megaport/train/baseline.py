@@ -50,6 +50,13 @@ SHIMS = {
                               "HalfTensor... again (the port's step; Megatron-DeepSpeed uses them in isinstance)",
     "fork-attention-view": "Megatron-DeepSpeed from 676a482c: CoreAttention gets contiguous query/key/value (its "
                            "views fail on the strided slices of its QKV split on every device; the same values)",
+    "fork-deepspeed-train": "Megatron-DeepSpeed 2023-07-04..2023-07-12 (before 636540a9): that commit's own fixes "
+                            "for train() with --deepspeed, as after-import steps: DeepSpeed's ZeRO optimizers answer "
+                            "scale_loss None, so grad_scale_func stays None (the engine scales the loss); "
+                            "get_model_config unwraps the engine; Timers answers .timers (logging only)",
+    "fork-legacy-mpu": "Megatron-DeepSpeed 2023-07-04 (before 4278c0a1): parallel_state, the fork's legacy mpu, "
+                       "gets tensor_parallel's reset_checkpointed_activations_memory_buffer and checkpoint, which "
+                       "its DeepSpeed recompute calls on mpu (what 4278c0a1 calls instead)",
 }
 _NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
     (re.compile(r"No module named '(transformer_engine)|No package metadata was found for transformer.engine"),
@@ -62,6 +69,10 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"No module named 'deepspeed\.compression\.compress'"), "deepspeed-compression"),
     (re.compile(r"view size is not compatible with input tensor's size and stride"), "fork-attention-view"),
     (re.compile(r"isinstance\(\) arg 2 must be a type"), "deepspeed-tensor-types"),
+    (re.compile(r"'\w*Optimizer\w*' object has no attribute 'scale_loss'|'dict' object has no attribute 'no_sync_func'"
+                r"|'Timers' object has no attribute 'timers'"), "fork-deepspeed-train"),
+    (re.compile(r"module 'megatron\.core\.parallel_state' has no attribute "
+                r"'(?:reset_checkpointed_activations_memory_buffer|checkpoint)'"), "fork-legacy-mpu"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "amp_C": "from _megaport_standins import amp_C as _m\nglobals().update(vars(_m))\n",
@@ -149,6 +160,57 @@ def _contiguous_core_attention(module):
 
 
 after_import("megatron.model.transformer", _contiguous_core_attention)
+'''
+
+# Megatron-DeepSpeed's merge of upstream (9e72d571, 2023-07-04) until 636540a9 (2023-07-12): the
+# fork's own fixes of 636540a9, which the series before it carry as a patch, as after-import steps.
+_FORK_DEEPSPEED_TRAIN_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _no_scale_loss(module):
+    """DeepSpeed's ZeRO optimizers answer scale_loss None: the fork's train() then leaves
+    grad_scale_func None, as 636540a9 does under --deepspeed (the engine scales the loss)."""
+    if hasattr(module, "ZeROOptimizer"):
+        module.ZeROOptimizer.scale_loss = None
+
+
+def _engine_model_config(module):
+    """get_model_config unwraps DeepSpeed's engine under --deepspeed (636540a9's lines): the
+    engine's own `config` is its config dict, not the model's TransformerConfig."""
+    def get_model_config(model):
+        from megatron import get_args
+
+        if get_args().deepspeed:
+            return module.get_attr_wrapped_model(model.module, "config", allow_none=False)
+        return module.get_attr_wrapped_model(model, "config", allow_none=False)
+
+    module.get_model_config = get_model_config
+
+
+def _timers_by_name(module):
+    """Timers answers .timers (its _timers), which the fork's training_log reads: logging only."""
+    module.Timers.timers = property(lambda self: self._timers)
+
+
+after_import("deepspeed.runtime.base_optimizer", _no_scale_loss)
+after_import("megatron.core.utils", _engine_model_config)
+after_import("megatron.timers", _timers_by_name)
+'''
+# Megatron-DeepSpeed 9e72d571 (before 4278c0a1): its DeepSpeed recompute calls tensor_parallel's
+# checkpointing on mpu, which is parallel_state there.
+_FORK_LEGACY_MPU_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _legacy_mpu_checkpointing(core):
+    """parallel_state (megatron.core.mpu) gets tensor_parallel's two functions the fork calls on it."""
+    for name in ("reset_checkpointed_activations_memory_buffer", "checkpoint"):
+        if not hasattr(core.parallel_state, name):
+            setattr(core.parallel_state, name, getattr(core.tensor_parallel, name))
+
+
+after_import("megatron.core", _legacy_mpu_checkpointing)
 '''
 
 
@@ -307,6 +369,10 @@ def write_shims(folder: str, shims: list) -> None:
         startup.append(_FORK_ATTENTION_HOOK)
     if "te-spec" in shims:
         startup.append(_TE_SPEC_HOOK)
+    if "fork-deepspeed-train" in shims:
+        startup.append(_FORK_DEEPSPEED_TRAIN_HOOK)
+    if "fork-legacy-mpu" in shims:
+        startup.append(_FORK_LEGACY_MPU_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
 
 
