@@ -168,10 +168,18 @@ _FAKE_FORK = {  # the shapes of the 9e72d571 modules the shims step into, and De
     "megatron/timers.py": "class Timers:\n    def __init__(self):\n        self._timers = {'a': 1}\n",
     "megatron/core/__init__.py": "import megatron.core.parallel_state\nimport megatron.core.tensor_parallel\n"
                                  "import megatron.core.utils\n\nmpu = parallel_state\n",
-    "megatron/core/parallel_state.py": "",
+    # initialize.py makes parallel_state's checkpoint DeepSpeed's (function, *args) under
+    # --deepspeed-activation-checkpointing.
+    "megatron/core/parallel_state.py": "def checkpoint(function, *args):\n    return function(*args)\n\n\n"
+                                       "def world_size():\n    return 1\n",
     "megatron/core/tensor_parallel.py": "def reset_checkpointed_activations_memory_buffer():\n    return 'reset'\n\n\n"
                                         "def checkpoint(function, distribute_saved_activations, *args):\n"
                                         "    return function(*args)\n",
+    "megatron/model/__init__.py": "from . import transformer\n",
+    "megatron/model/transformer.py": "from megatron.core import mpu, tensor_parallel\n\n\n"
+                                     "def recompute(function, x):\n"
+                                     "    mpu.reset_checkpointed_activations_memory_buffer()\n"
+                                     "    return mpu.checkpoint(function, False, x), mpu.world_size()\n",
     "megatron/core/utils.py": "def get_attr_wrapped_model(model, attr, allow_none=True):\n"
                               "    while getattr(model, attr, None) is None:\n        model = model.module\n"
                               "    return getattr(model, attr)\n\n\n"
@@ -188,8 +196,10 @@ assert DeepSpeedZeroOptimizer().scale_loss is None  # so train() leaves grad_sca
 engine = types.SimpleNamespace(config={"train_batch_size": 2}, module=types.SimpleNamespace(config="transformer"))
 assert utils.get_model_config(engine) == "transformer"
 assert Timers().timers == {"a": 1}
-assert mpu.reset_checkpointed_activations_memory_buffer() == "reset"
-assert mpu.checkpoint(lambda x: x + 1, False, 1) == 2
+from megatron.model import transformer
+
+assert transformer.recompute(lambda x: x + 1, 1) == (2, 1)  # tensor_parallel's checkpoint; parallel_state's others
+assert mpu.checkpoint(lambda x: x, 3) == 3  # parallel_state itself unchanged
 print("ok")
 """
 

@@ -54,9 +54,10 @@ SHIMS = {
                             "for train() with --deepspeed, as after-import steps: DeepSpeed's ZeRO optimizers answer "
                             "scale_loss None, so grad_scale_func stays None (the engine scales the loss); "
                             "get_model_config unwraps the engine; Timers answers .timers (logging only)",
-    "fork-legacy-mpu": "Megatron-DeepSpeed 2023-07-04 (before 4278c0a1): parallel_state, the fork's legacy mpu, "
-                       "gets tensor_parallel's reset_checkpointed_activations_memory_buffer and checkpoint, which "
-                       "its DeepSpeed recompute calls on mpu (what 4278c0a1 calls instead)",
+    "fork-legacy-mpu": "Megatron-DeepSpeed 2023-07-04 (before 4278c0a1): the transformer's DeepSpeed recompute "
+                       "calls reset_checkpointed_activations_memory_buffer and checkpoint on its mpu (parallel_state, "
+                       "which lacks the one and has DeepSpeed's checkpoint, another signature): tensor_parallel's "
+                       "two, as 4278c0a1 calls them; every other mpu name stays parallel_state's",
 }
 _NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
     (re.compile(r"No module named '(transformer_engine)|No package metadata was found for transformer.engine"),
@@ -198,19 +199,34 @@ after_import("megatron.core.utils", _engine_model_config)
 after_import("megatron.timers", _timers_by_name)
 '''
 # Megatron-DeepSpeed 9e72d571 (before 4278c0a1): its DeepSpeed recompute calls tensor_parallel's
-# checkpointing on mpu, which is parallel_state there.
+# checkpointing on mpu, which is parallel_state there (whose `checkpoint` initialize.py makes
+# DeepSpeed's, another signature). Stepped in after megatron.model, which imports the transformer:
+# fork-attention-view (2024-12 on) steps into megatron.model.transformer itself.
 _FORK_LEGACY_MPU_HOOK = '''
 from megaport.train.hooks import after_import
 
 
-def _legacy_mpu_checkpointing(core):
-    """parallel_state (megatron.core.mpu) gets tensor_parallel's two functions the fork calls on it."""
-    for name in ("reset_checkpointed_activations_memory_buffer", "checkpoint"):
-        if not hasattr(core.parallel_state, name):
-            setattr(core.parallel_state, name, getattr(core.tensor_parallel, name))
+def _legacy_mpu_in_transformer(package):
+    """transformer.py's mpu is parallel_state but for the two checkpointing functions its DeepSpeed
+    recompute calls on it: tensor_parallel's, the ones 4278c0a1 calls."""
+    import importlib
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    transformer = importlib.import_module("megatron.model.transformer")
+
+    class LegacyMpu:
+        reset_checkpointed_activations_memory_buffer = staticmethod(
+            tensor_parallel.reset_checkpointed_activations_memory_buffer)
+        checkpoint = staticmethod(tensor_parallel.checkpoint)
+
+        def __getattr__(self, name):
+            return getattr(parallel_state, name)
+
+    transformer.mpu = LegacyMpu()
 
 
-after_import("megatron.core", _legacy_mpu_checkpointing)
+after_import("megatron.model", _legacy_mpu_in_transformer)
 '''
 
 
