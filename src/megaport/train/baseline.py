@@ -163,73 +163,6 @@ def _contiguous_core_attention(module):
 after_import("megatron.model.transformer", _contiguous_core_attention)
 '''
 
-# Megatron-DeepSpeed's merge of upstream (9e72d571, 2023-07-04) until 636540a9 (2023-07-12): the
-# fork's own fixes of 636540a9, which the series before it carry as a patch, as after-import steps.
-_FORK_DEEPSPEED_TRAIN_HOOK = '''
-from megaport.train.hooks import after_import
-
-
-def _no_scale_loss(module):
-    """DeepSpeed's ZeRO optimizers answer scale_loss None: the fork's train() then leaves
-    grad_scale_func None, as 636540a9 does under --deepspeed (the engine scales the loss)."""
-    if hasattr(module, "ZeROOptimizer"):
-        module.ZeROOptimizer.scale_loss = None
-
-
-def _engine_model_config(module):
-    """get_model_config unwraps DeepSpeed's engine under --deepspeed (636540a9's lines): the
-    engine's own `config` is its config dict, not the model's TransformerConfig."""
-    def get_model_config(model):
-        from megatron import get_args
-
-        if get_args().deepspeed:
-            return module.get_attr_wrapped_model(model.module, "config", allow_none=False)
-        return module.get_attr_wrapped_model(model, "config", allow_none=False)
-
-    module.get_model_config = get_model_config
-
-
-def _timers_by_name(module):
-    """Timers answers .timers (its _timers), which the fork's training_log reads: logging only."""
-    module.Timers.timers = property(lambda self: self._timers)
-
-
-after_import("deepspeed.runtime.base_optimizer", _no_scale_loss)
-after_import("megatron.core.utils", _engine_model_config)
-after_import("megatron.timers", _timers_by_name)
-'''
-# Megatron-DeepSpeed 9e72d571 (before 4278c0a1): its DeepSpeed recompute calls tensor_parallel's
-# checkpointing on mpu, which is parallel_state there (whose `checkpoint` initialize.py makes
-# DeepSpeed's, another signature). Stepped in after megatron.model, which imports the transformer:
-# fork-attention-view (2024-12 on) steps into megatron.model.transformer itself.
-_FORK_LEGACY_MPU_HOOK = '''
-from megaport.train.hooks import after_import
-
-
-def _legacy_mpu_in_transformer(package):
-    """transformer.py's mpu is parallel_state but for the two checkpointing functions its DeepSpeed
-    recompute calls on it: tensor_parallel's, the ones 4278c0a1 calls."""
-    import importlib
-
-    from megatron.core import parallel_state, tensor_parallel
-
-    transformer = importlib.import_module("megatron.model.transformer")
-
-    class LegacyMpu:
-        reset_checkpointed_activations_memory_buffer = staticmethod(
-            tensor_parallel.reset_checkpointed_activations_memory_buffer)
-        checkpoint = staticmethod(tensor_parallel.checkpoint)
-
-        def __getattr__(self, name):
-            return getattr(parallel_state, name)
-
-    transformer.mpu = LegacyMpu()
-
-
-after_import("megatron.model", _legacy_mpu_in_transformer)
-'''
-
-
 def _legacy_tensor_types_source(port_source: str) -> str:
     """The port's step restoring DeepSpeed's legacy tensor types, run after its accelerator loads."""
     tree = ast.parse(port_source)
@@ -427,3 +360,70 @@ def run_unported(run, sha: str) -> tuple[dict, list]:
         result, shims = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env)
     result["baseline_shims"] = [SHIMS[s] for s in shims]
     return result, shims
+
+
+# Megatron-DeepSpeed's merge of upstream (9e72d571, 2023-07-04) until 636540a9 (2023-07-12): the
+# fork's own fixes of 636540a9, which the series before it carry as a patch, as after-import steps.
+_FORK_DEEPSPEED_TRAIN_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _no_scale_loss(module):
+    """DeepSpeed's ZeRO optimizers answer scale_loss None: the fork's train() then leaves
+    grad_scale_func None, as 636540a9 does under --deepspeed (the engine scales the loss)."""
+    if hasattr(module, "ZeROOptimizer"):
+        module.ZeROOptimizer.scale_loss = None
+
+
+def _engine_model_config(module):
+    """get_model_config unwraps DeepSpeed's engine under --deepspeed (636540a9's lines): the
+    engine's own `config` is its config dict, not the model's TransformerConfig."""
+    def get_model_config(model):
+        from megatron import get_args
+
+        if get_args().deepspeed:
+            return module.get_attr_wrapped_model(model.module, "config", allow_none=False)
+        return module.get_attr_wrapped_model(model, "config", allow_none=False)
+
+    module.get_model_config = get_model_config
+
+
+def _timers_by_name(module):
+    """Timers answers .timers (its _timers), which the fork's training_log reads: logging only."""
+    module.Timers.timers = property(lambda self: self._timers)
+
+
+after_import("deepspeed.runtime.base_optimizer", _no_scale_loss)
+after_import("megatron.core.utils", _engine_model_config)
+after_import("megatron.timers", _timers_by_name)
+'''
+# Megatron-DeepSpeed 9e72d571 (before 4278c0a1): its DeepSpeed recompute calls tensor_parallel's
+# checkpointing on mpu, which is parallel_state there (whose `checkpoint` initialize.py makes
+# DeepSpeed's, another signature). Stepped in after megatron.model, which imports the transformer:
+# fork-attention-view (2024-12 on) steps into megatron.model.transformer itself.
+_FORK_LEGACY_MPU_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _legacy_mpu_in_transformer(package):
+    """transformer.py's mpu is parallel_state but for the two checkpointing functions its DeepSpeed
+    recompute calls on it: tensor_parallel's, the ones 4278c0a1 calls."""
+    import importlib
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    transformer = importlib.import_module("megatron.model.transformer")
+
+    class LegacyMpu:
+        reset_checkpointed_activations_memory_buffer = staticmethod(
+            tensor_parallel.reset_checkpointed_activations_memory_buffer)
+        checkpoint = staticmethod(tensor_parallel.checkpoint)
+
+        def __getattr__(self, name):
+            return getattr(parallel_state, name)
+
+    transformer.mpu = LegacyMpu()
+
+
+after_import("megatron.model", _legacy_mpu_in_transformer)
+'''
