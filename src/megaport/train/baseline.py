@@ -163,6 +163,7 @@ def _contiguous_core_attention(module):
 after_import("megatron.model.transformer", _contiguous_core_attention)
 '''
 
+
 def _legacy_tensor_types_source(port_source: str) -> str:
     """The port's step restoring DeepSpeed's legacy tensor types, run after its accelerator loads."""
     tree = ast.parse(port_source)
