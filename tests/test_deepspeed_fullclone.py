@@ -61,6 +61,23 @@ def test_every_tested_fork_ref_is_chosen_and_applies(deepspeed_clone, tmp_path):
     assert not failures, "\n".join(failures)
 
 
+def test_the_2023_07_merge_commits_take_the_series_for_the_fork_fixes_they_lack(deepspeed_clone):
+    """9e72d571 lacks the fork's 4278c0a1 and 636540a9 fixes, the commits up to 636540a9 the latter:
+    each commit takes the series that carries the fixes it lacks, clean or with offsets only."""
+    shas = git(deepspeed_clone, "rev-list", "--first-parent", "--reverse", "9e72d571~1..7f7cea32").split()
+    assert len(shas) == 15
+    args = ["drift", "--repo", str(deepspeed_clone), "--series", "auto", "--format", "json"]
+    for sha in shas:
+        args += ["--ref", sha]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (0, 1), result.output
+    chosen = {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
+    fixed = next(i for i, sha in enumerate(shas) if sha.startswith("636540a9"))
+    for i, sha in enumerate(shas):
+        expected = "mds-2023-07" if i == 0 else "mds-2023-07-07" if i < fixed else "mds-2023-07-12"
+        assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+
+
 @pytest.mark.parametrize("ref", VERIFY_REFS)
 def test_fork_ports_and_gives_its_era_softmax(deepspeed_clone, ref, tmp_path, fake_cuda_modules):
     dest = tmp_path / "ported"

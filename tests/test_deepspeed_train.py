@@ -122,8 +122,11 @@ def test_engine_refusal_is_told_apart_from_a_failure_of_the_tree():
     refused = ('pretrain_gpt.py failed (exit code 1): ValueError: Type fp16 is not supported on your device.\n'
                '  File ".../deepspeed/runtime/engine.py", line 2004, in _do_sanity_check')
     assert deepspeed_example.engine_refused(refused).startswith("ValueError: Type fp16 is not supported on your device.")
+    # The fork's 2023-07 train() taking optimizer.scale_loss is its own bug, served by the series
+    # and the baseline's shim, never a reason to leave DeepSpeed's engine.
     merge = "AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'scale_loss'. Did you mean"
-    assert "scale_loss" in deepspeed_example.engine_refused(merge)
+    assert deepspeed_example.engine_refused(merge) is None
+    assert baseline.shim_for(merge, []) == "fork-deepspeed-train"
     assert deepspeed_example.engine_refused("ImportError: cannot import name 'x' (engine.py)") is None
     assert deepspeed_example.engine_refused("AttributeError: 'Namespace' object has no attribute 'scale_loss'") is None
 
@@ -137,6 +140,86 @@ def test_baseline_finds_the_fork_shims_by_their_failures():
     assert baseline.shim_for(view, []) == "fork-attention-view"
     assert baseline.shim_for(view, ["fork-attention-view"]) is None
     assert set(baseline._APEX_ADDED) <= set(baseline._APEX_MODULES)
+
+
+# What the unported fork at its 2023-07-04 merge (9e72d571) prints, in the order its run meets them.
+MERGE_FAILURES = [
+    ("AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'scale_loss'. Did you mean: 'scale_if_loss'?",
+     "fork-deepspeed-train"),
+    ("AttributeError: 'dict' object has no attribute 'no_sync_func'", "fork-deepspeed-train"),
+    ("AttributeError: module 'megatron.core.parallel_state' has no attribute "
+     "'reset_checkpointed_activations_memory_buffer'", "fork-legacy-mpu"),
+    ("AttributeError: 'Timers' object has no attribute 'timers'. Did you mean: '_timers'?", "fork-deepspeed-train"),
+]
+
+
+def test_baseline_finds_the_2023_07_merge_shims_by_their_failures():
+    for failure, shim in MERGE_FAILURES:
+        assert baseline.shim_for(failure, []) == shim, failure
+        assert baseline.shim_for(failure, [shim]) is None, failure
+    assert baseline.shim_for("AttributeError: 'Namespace' object has no attribute 'scale_loss'", []) is None
+
+
+_FAKE_FORK = {  # the shapes of the 9e72d571 modules the shims step into, and DeepSpeed's ZeRO base
+    "deepspeed/__init__.py": "",
+    "deepspeed/runtime/__init__.py": "",
+    "deepspeed/runtime/base_optimizer.py": "class ZeROOptimizer:\n    pass\n\n\n"
+                                           "class DeepSpeedZeroOptimizer(ZeROOptimizer):\n    pass\n",
+    "megatron/__init__.py": "import types\n\n_ARGS = types.SimpleNamespace(deepspeed=True)\n\n\n"
+                            "def get_args():\n    return _ARGS\n",
+    "megatron/timers.py": "class Timers:\n    def __init__(self):\n        self._timers = {'a': 1}\n",
+    "megatron/core/__init__.py": "import megatron.core.parallel_state\nimport megatron.core.tensor_parallel\n"
+                                 "import megatron.core.utils\n\nmpu = parallel_state\n",
+    # initialize.py makes parallel_state's checkpoint DeepSpeed's (function, *args) under
+    # --deepspeed-activation-checkpointing.
+    "megatron/core/parallel_state.py": "def checkpoint(function, *args):\n    return function(*args)\n\n\n"
+                                       "def world_size():\n    return 1\n",
+    "megatron/core/tensor_parallel.py": "def reset_checkpointed_activations_memory_buffer():\n    return 'reset'\n\n\n"
+                                        "def checkpoint(function, distribute_saved_activations, *args):\n"
+                                        "    return function(*args)\n",
+    "megatron/model/__init__.py": "from . import transformer\n",
+    "megatron/model/transformer.py": "from megatron.core import mpu, tensor_parallel\n\n\n"
+                                     "def recompute(function, x):\n"
+                                     "    mpu.reset_checkpointed_activations_memory_buffer()\n"
+                                     "    return mpu.checkpoint(function, False, x), mpu.world_size()\n",
+    "megatron/core/utils.py": "def get_attr_wrapped_model(model, attr, allow_none=True):\n"
+                              "    while getattr(model, attr, None) is None:\n        model = model.module\n"
+                              "    return getattr(model, attr)\n\n\n"
+                              "def get_model_config(model):\n"
+                              "    return get_attr_wrapped_model(model, 'config', allow_none=False)\n",
+}
+_CHECK = """
+import types
+from deepspeed.runtime.base_optimizer import DeepSpeedZeroOptimizer
+from megatron.core import mpu, utils
+from megatron.timers import Timers
+
+assert DeepSpeedZeroOptimizer().scale_loss is None  # so train() leaves grad_scale_func None
+engine = types.SimpleNamespace(config={"train_batch_size": 2}, module=types.SimpleNamespace(config="transformer"))
+assert utils.get_model_config(engine) == "transformer"
+assert Timers().timers == {"a": 1}
+from megatron.model import transformer
+
+assert transformer.recompute(lambda x: x + 1, 1) == (2, 1)  # tensor_parallel's checkpoint; parallel_state's others
+assert mpu.checkpoint(lambda x: x, 3) == 3  # parallel_state itself unchanged
+print("ok")
+"""
+
+
+def test_the_2023_07_merge_shims_serve_the_forks_own_fixes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    for rel, text in _FAKE_FORK.items():
+        (tmp_path / "tree" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tree" / rel).write_text(text)
+    src = str(Path(baseline.__file__).parents[2])
+    env = baseline.with_shims({"PYTHONPATH": os.pathsep.join([str(tmp_path / "tree"), src])}, str(tmp_path / "shims"),
+                              ["fork-deepspeed-train", "fork-legacy-mpu"])
+    env["PATH"] = os.environ.get("PATH", "")
+    proc = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_fused_wgrad_is_seen_only_in_live_code():

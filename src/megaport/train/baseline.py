@@ -56,6 +56,14 @@ SHIMS = {
                         "own 2023-03 fix, which the series carry; the same values)",
     "fork-attention-view": "Megatron-DeepSpeed from 676a482c: CoreAttention gets contiguous query/key/value (its "
                            "views fail on the strided slices of its QKV split on every device; the same values)",
+    "fork-deepspeed-train": "Megatron-DeepSpeed 2023-07-04..2023-07-12 (before 636540a9): that commit's own fixes "
+                            "for train() with --deepspeed, as after-import steps: DeepSpeed's ZeRO optimizers answer "
+                            "scale_loss None, so grad_scale_func stays None (the engine scales the loss); "
+                            "get_model_config unwraps the engine; Timers answers .timers (logging only)",
+    "fork-legacy-mpu": "Megatron-DeepSpeed 2023-07-04 (before 4278c0a1): the transformer's DeepSpeed recompute "
+                       "calls reset_checkpointed_activations_memory_buffer and checkpoint on its mpu (parallel_state, "
+                       "which lacks the one and has DeepSpeed's checkpoint, another signature): tensor_parallel's "
+                       "two, as 4278c0a1 calls them; every other mpu name stays parallel_state's",
 }
 _NEEDS = (  # (what a failed run printed, the shim that gets past it), first match wins
     (re.compile(r"No module named '(transformer_engine)|No package metadata was found for transformer.engine"),
@@ -70,6 +78,10 @@ _NEEDS = (  # (what a failed run printed, the shim that gets past it), first mat
     (re.compile(r"grad_output = grad_output\.view\((?s:.*)view size is not compatible"), "wgrad-contiguous"),
     (re.compile(r"(query|key|value)_layer = \w+\.view\((?s:.*)view size is not compatible"), "fork-attention-view"),
     (re.compile(r"isinstance\(\) arg 2 must be a type"), "deepspeed-tensor-types"),
+    (re.compile(r"'\w*Optimizer\w*' object has no attribute 'scale_loss'|'dict' object has no attribute 'no_sync_func'"
+                r"|'Timers' object has no attribute 'timers'"), "fork-deepspeed-train"),
+    (re.compile(r"module 'megatron\.core\.parallel_state' has no attribute "
+                r"'(?:reset_checkpointed_activations_memory_buffer|checkpoint)'"), "fork-legacy-mpu"),
 )
 _APEX_MODULES = {  # module -> names it takes from the port's stand-ins
     "amp_C": "from _megaport_standins import amp_C as _m\nglobals().update(vars(_m))\n",
@@ -336,6 +348,10 @@ def write_shims(folder: str, shims: list) -> None:
         startup.append(_WGRAD_CONTIGUOUS_HOOK)
     if "te-spec" in shims:
         startup.append(_TE_SPEC_HOOK)
+    if "fork-deepspeed-train" in shims:
+        startup.append(_FORK_DEEPSPEED_TRAIN_HOOK)
+    if "fork-legacy-mpu" in shims:
+        startup.append(_FORK_LEGACY_MPU_HOOK)
     _write(folder, "sitecustomize", "\n".join(startup) + "\n")
 
 
@@ -374,3 +390,70 @@ def run_unported(run, sha: str) -> tuple[dict, list]:
         result, shims = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env)
     result["baseline_shims"] = [SHIMS[s] for s in shims]
     return result, shims
+
+
+# Megatron-DeepSpeed's merge of upstream (9e72d571, 2023-07-04) until 636540a9 (2023-07-12): the
+# fork's own fixes of 636540a9, which the series before it carry as a patch, as after-import steps.
+_FORK_DEEPSPEED_TRAIN_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _no_scale_loss(module):
+    """DeepSpeed's ZeRO optimizers answer scale_loss None: the fork's train() then leaves
+    grad_scale_func None, as 636540a9 does under --deepspeed (the engine scales the loss)."""
+    if hasattr(module, "ZeROOptimizer"):
+        module.ZeROOptimizer.scale_loss = None
+
+
+def _engine_model_config(module):
+    """get_model_config unwraps DeepSpeed's engine under --deepspeed (636540a9's lines): the
+    engine's own `config` is its config dict, not the model's TransformerConfig."""
+    def get_model_config(model):
+        from megatron import get_args
+
+        if get_args().deepspeed:
+            return module.get_attr_wrapped_model(model.module, "config", allow_none=False)
+        return module.get_attr_wrapped_model(model, "config", allow_none=False)
+
+    module.get_model_config = get_model_config
+
+
+def _timers_by_name(module):
+    """Timers answers .timers (its _timers), which the fork's training_log reads: logging only."""
+    module.Timers.timers = property(lambda self: self._timers)
+
+
+after_import("deepspeed.runtime.base_optimizer", _no_scale_loss)
+after_import("megatron.core.utils", _engine_model_config)
+after_import("megatron.timers", _timers_by_name)
+'''
+# Megatron-DeepSpeed 9e72d571 (before 4278c0a1): its DeepSpeed recompute calls tensor_parallel's
+# checkpointing on mpu, which is parallel_state there (whose `checkpoint` initialize.py makes
+# DeepSpeed's, another signature). Stepped in after megatron.model, which imports the transformer:
+# fork-attention-view (2024-12 on) steps into megatron.model.transformer itself.
+_FORK_LEGACY_MPU_HOOK = '''
+from megaport.train.hooks import after_import
+
+
+def _legacy_mpu_in_transformer(package):
+    """transformer.py's mpu is parallel_state but for the two checkpointing functions its DeepSpeed
+    recompute calls on it: tensor_parallel's, the ones 4278c0a1 calls."""
+    import importlib
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    transformer = importlib.import_module("megatron.model.transformer")
+
+    class LegacyMpu:
+        reset_checkpointed_activations_memory_buffer = staticmethod(
+            tensor_parallel.reset_checkpointed_activations_memory_buffer)
+        checkpoint = staticmethod(tensor_parallel.checkpoint)
+
+        def __getattr__(self, name):
+            return getattr(parallel_state, name)
+
+    transformer.mpu = LegacyMpu()
+
+
+after_import("megatron.model", _legacy_mpu_in_transformer)
+'''

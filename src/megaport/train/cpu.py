@@ -16,8 +16,9 @@ What is substituted (:data:`SUBSTITUTIONS`, printed once at start as ``> megapor
   ``current_device()`` answers ``'cpu'``, its name is 'CPU', its capability (0, 0) (no architecture features),
   its memory the host's;
 - device placement: ``device='cuda'``/index arguments, ``.cuda()`` and ``.to('cuda')`` stay on
-  the CPU; ``torch.cuda.FloatTensor`` and the other legacy constructors build CPU tensors, and
-  ``Tensor.type()`` names them ``torch.cuda.*`` for upstream's type checks;
+  the CPU, in the backward of upstream's autograd functions too (autograd runs those without the
+  caller's TorchFunctionMode); ``torch.cuda.FloatTensor`` and the other legacy constructors build
+  CPU tensors, and ``Tensor.type()`` names them ``torch.cuda.*`` for upstream's type checks;
 - RNG: the CUDA generator *is* the CPU generator (seeding, get/set state, the RNG tracker's
   fork), so dropout under the tracker draws as it would on one device;
 - streams and events: the CPU stream; events time with the host clock; ``synchronize`` and
@@ -37,7 +38,8 @@ SUBSTITUTIONS = (
     "process group: backend nccl -> gloo, NCCL-only group options dropped",
     "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; current_device() -> 'cpu'; "
     "name 'CPU', capability (0, 0), the host's memory",
-    "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU",
+    "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU "
+    "(in autograd functions' backward too)",
     "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
     "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
 )
@@ -104,6 +106,21 @@ def placement_mode(torch):
             return func(*args, **kwargs)
 
     return ToCpu()
+
+
+def placement_in_backward(torch, make_mode) -> None:
+    """The backward of every Python autograd function (``BackwardCFunction.apply``) runs under a
+    fresh ``make_mode()``: autograd calls it without the caller's TorchFunctionMode, so a GPU
+    placement there (the fork's CheckpointFunction compares with ``torch.tensor(0).to('cuda')``)
+    would otherwise reach the absent GPU."""
+    function = torch.autograd.function.BackwardCFunction
+    real = function.apply
+
+    def apply(self, *args):
+        with make_mode():
+            return real(self, *args)
+
+    function.apply = apply
 
 
 def _to_the_tree(real, answer):
@@ -213,4 +230,5 @@ def install(torch) -> contextlib.AbstractContextManager:
     place_on_cpu(torch)
     _rng(torch)
     _streams(torch)
+    placement_in_backward(torch, lambda: placement_mode(torch))
     return placement_mode(torch)
