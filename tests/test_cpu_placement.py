@@ -77,3 +77,52 @@ def test_the_placement_mode_keeps_a_cuda_placement_in_backward_on_the_cpu(restor
     x = torch.ones(2, requires_grad=True)
     ToCuda.apply(x).sum().backward()
     assert x.grad.device.type == "cpu" and torch.equal(x.grad, torch.full((2,), 3.0))
+
+
+_FORK_MODULE = '''
+import torch
+
+_FLOAT_TYPES = [torch.cuda.FloatTensor(0).dtype]
+_HALF_TYPES = [torch.cuda.HalfTensor(0).dtype]
+'''
+
+
+def _import_fork_module(tmp_path, pretrain_source: str):
+    """A tree whose module builds CUDA tensors at import, as the fork's megatron/model/module.py
+    (2023-12 … 2024-04) does through DeepSpeed's accelerator, imported after the smoke suite's
+    CPU substitution for that tree: (returncode, output)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "pretrain_gpt.py").write_text(pretrain_source)
+    (tree / "fork_module.py").write_text(_FORK_MODULE)
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from megaport.deepspeed import install_cpu_check_substitution
+        print("substituted:", install_cpu_check_substitution({str(tree)!r}, torch))
+        print("cpu constructors:", torch.cuda.FloatTensor is torch.FloatTensor)
+        sys.path.insert(0, {str(tree)!r})
+        import fork_module
+        print("types:", fork_module._FLOAT_TYPES, fork_module._HALF_TYPES)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_fork_tree_s_import_time_cuda_tensors_are_built_on_the_cpu_in_the_checks(tmp_path):
+    code, out = _import_fork_module(tmp_path, "import deepspeed\n")
+    assert code == 0, out
+    assert "types: [torch.float32] [torch.float16]" in out
+    assert "cpu constructors: True" in out
+    assert "legacy constructors build CPU tensors" in out
+
+
+def test_an_upstream_tree_keeps_torch_s_cuda_constructors(tmp_path):
+    """Nothing is substituted for upstream trees: torch.cuda's constructors stay torch's."""
+    _, out = _import_fork_module(tmp_path, "import torch\n")
+    assert "substituted: None" in out
+    assert "cpu constructors: False" in out

@@ -90,6 +90,25 @@ CPU_SUBSTITUTION = ("DeepSpeed's CUDA accelerator: is_fp16_supported()/is_bf16_s
                     "current_device_name() answers 'cpu'")
 
 
+#: What the smoke suite's CPU checks of a fork tree substitute for their whole process.
+CPU_CHECK_SUBSTITUTION = ("torch.cuda.*Tensor legacy constructors build CPU tensors: the fork builds its dtype "
+                          "tables at import from DeepSpeed's accelerator (get_accelerator().FloatTensor(0).dtype "
+                          "in megatron/model/module.py, 2023-12 … 2024-04), which hands out these constructors")
+
+
+def install_cpu_check_substitution(tree, torch) -> str | None:
+    """For the smoke suite's CPU checks of a fork tree (in process and in each rank of the 2-rank run),
+    which import the tree's modules outside the training run's placement mode: the legacy
+    constructors build CPU tensors, as in the training run. The line to report, or None for
+    an upstream tree (nothing substituted)."""
+    if not is_deepspeed_tree(tree):
+        return None
+    from megaport.train.cpu import legacy_constructors_on_cpu
+
+    legacy_constructors_on_cpu(torch)
+    return CPU_CHECK_SUBSTITUTION
+
+
 def _precision_and_placement_on_cpu(module) -> None:
     """DeepSpeed's CUDA accelerator in a CPU run: its precision queries answer True (the engine's
     sanity check would refuse fp16/bf16 on the run's capability (0, 0) device) and its current

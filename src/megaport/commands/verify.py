@@ -223,6 +223,8 @@ def report(console, document: dict, state: PortState) -> None:
     subs = device.get("training_cpu_substitutions")
     if subs:
         table.add_row("training on CPU", escape("; ".join(subs)))
+    for line in device.get("cpu_check_substitutions") or []:
+        table.add_row("checks on CPU", escape(line))
     parity = device.get("loss_parity")
     if parity:
         shims = parity.get("baseline_shims") or []

@@ -61,6 +61,11 @@ def main() -> int:
     results: dict = {"rank": rank, "world_size": world}
     out = Path(args.out) / f"rank{rank}.json"
 
+    if args.device == "cpu":
+        # Before the tree's first import: a fork tree builds CUDA tensors at import.
+        from megaport.deepspeed import install_cpu_check_substitution
+
+        install_cpu_check_substitution(tree, torch)
     rocm_port = None
     for name in ("megatron.core.rocm_port", "megatron.rocm_port"):
         try:

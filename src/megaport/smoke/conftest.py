@@ -9,6 +9,7 @@ Run by ``megaport verify`` (see __init__.py); also runnable by hand:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import shutil
 import sys
@@ -97,7 +98,23 @@ def pytest_configure(config):
         results=Path(results) if results else None,
     )
     config.stash[_tree.SMOKE_KEY] = smoke
+    if not smoke.gpu:
+        _cpu_check_substitutions(smoke)
     config.stash[RESULTS_KEY] = {"tests": {}, "started": time.time(), "preloaded": _tree.blocked_modules_loaded()}
+
+
+def _cpu_check_substitutions(smoke: Smoke) -> None:
+    """Before any tree import: what a CPU check of this tree must substitute for the whole
+    session (a fork tree's import-time CUDA tensors), listed in the report."""
+    if importlib.util.find_spec("torch") is None:
+        return  # the torch fixture reports it
+    import torch
+
+    from megaport.deepspeed import install_cpu_check_substitution
+
+    line = install_cpu_check_substitution(smoke.tree, torch)
+    if line:
+        smoke.facts["cpu_check_substitutions"] = [line]
 
 
 def _masked_rows_from_catalogue(series: str | None) -> str:

@@ -195,6 +195,11 @@ def _device_queries(torch) -> None:
 def place_on_cpu(torch) -> None:
     """``.cuda()`` returns the tensor itself; the legacy ``torch.cuda.*Tensor`` constructors build CPU tensors."""
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    legacy_constructors_on_cpu(torch)
+
+
+def legacy_constructors_on_cpu(torch) -> None:
+    """The legacy ``torch.cuda.*Tensor`` constructors build CPU tensors (``torch.FloatTensor``...)."""
     for name in LEGACY_CONSTRUCTORS:
         setattr(torch.cuda, name, getattr(torch, name))
 
