@@ -7,6 +7,11 @@ placement there (the fork's CheckpointFunction.backward compares with
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -91,10 +96,6 @@ def _import_fork_module(tmp_path, pretrain_source: str):
     """A tree whose module builds CUDA tensors at import, as the fork's megatron/model/module.py
     (2023-12 … 2024-04) does through DeepSpeed's accelerator, imported after the smoke suite's
     CPU substitution for that tree: (returncode, output)."""
-    import subprocess
-    import sys
-    import textwrap
-
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "pretrain_gpt.py").write_text(pretrain_source)
@@ -109,7 +110,7 @@ def _import_fork_module(tmp_path, pretrain_source: str):
         print("types:", fork_module._FLOAT_TYPES, fork_module._HALF_TYPES)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     return proc.returncode, proc.stdout + proc.stderr
 
 
