@@ -13,7 +13,9 @@ from pathlib import Path
 
 from megaport import deepspeed
 from megaport.smoke import _fork
-from megaport.train import baseline, deepspeed_example, example, pretrain
+from megaport.train import deepspeed_example, example, pretrain
+from megaport.train.failure import Failure, Frame
+from megaport.train.shims import registry
 
 SCRIPT = """#!/bin/bash
 set -ex
@@ -126,20 +128,20 @@ def test_engine_refusal_is_told_apart_from_a_failure_of_the_tree():
     # and the baseline's shim, never a reason to leave DeepSpeed's engine.
     merge = "AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'scale_loss'. Did you mean"
     assert deepspeed_example.engine_refused(merge) is None
-    assert baseline.shim_for(merge, []) == "fork-deepspeed-train"
+    assert registry.pick([_failure(merge)], []) == "fork-deepspeed-train"
     assert deepspeed_example.engine_refused("ImportError: cannot import name 'x' (engine.py)") is None
     assert deepspeed_example.engine_refused("AttributeError: 'Namespace' object has no attribute 'scale_loss'") is None
 
 
 def test_baseline_finds_the_fork_shims_by_their_failures():
-    assert baseline.shim_for("ModuleNotFoundError: No module named 'deepspeed.compression.compress'", []) == \
-        "deepspeed-compression"
-    view = ('  File "/tmp/u/megatron/model/transformer.py", line 301, in forward\n'
-            "    query_layer = query_layer.view(output_size[2],\n"
-            "RuntimeError: view size is not compatible with input tensor's size and stride (at least one dimension")
-    assert baseline.shim_for(view, []) == "fork-attention-view"
-    assert baseline.shim_for(view, ["fork-attention-view"]) is None
-    assert set(baseline._APEX_ADDED) <= set(baseline._APEX_MODULES)
+    missing = Failure("ModuleNotFoundError", "No module named 'deepspeed.compression.compress'",
+                      module="deepspeed.compression.compress")
+    assert registry.pick([missing], []) == "deepspeed-compression"
+    view = Failure("RuntimeError", "view size is not compatible with input tensor's size and stride (at least one "
+                   "dimension", (Frame("/tmp/u/megatron/model/transformer.py", 301, "forward",
+                                       "query_layer = query_layer.view(output_size[2],"),))
+    assert registry.pick([view], []) == "fork-attention-view"
+    assert registry.pick([view], ["fork-attention-view"]) is None
 
 
 # What the unported fork at its 2023-07-04 merge (9e72d571) prints, in the order its run meets them.
@@ -154,10 +156,16 @@ MERGE_FAILURES = [
 
 
 def test_baseline_finds_the_2023_07_merge_shims_by_their_failures():
-    for failure, shim in MERGE_FAILURES:
-        assert baseline.shim_for(failure, []) == shim, failure
-        assert baseline.shim_for(failure, [shim]) is None, failure
-    assert baseline.shim_for("AttributeError: 'Namespace' object has no attribute 'scale_loss'", []) is None
+    for text, shim in MERGE_FAILURES:
+        assert registry.pick([_failure(text)], []) == shim, text
+        assert registry.pick([_failure(text)], [shim]) is None, text
+    assert registry.pick([_failure("AttributeError: 'Namespace' object has no attribute 'scale_loss'")], []) is None
+
+
+def _failure(text: str) -> Failure:
+    """'Type: message', as the exception would be recorded."""
+    kind, message = text.split(": ", 1)
+    return Failure(kind, message)
 
 
 _FAKE_FORK = {  # the shapes of the 9e72d571 modules the shims step into, and DeepSpeed's ZeRO base
@@ -214,9 +222,9 @@ def test_the_2023_07_merge_shims_serve_the_forks_own_fixes(tmp_path):
     for rel, text in _FAKE_FORK.items():
         (tmp_path / "tree" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "tree" / rel).write_text(text)
-    src = str(Path(baseline.__file__).parents[2])
-    env = baseline.with_shims({"PYTHONPATH": os.pathsep.join([str(tmp_path / "tree"), src])}, str(tmp_path / "shims"),
-                              ["fork-deepspeed-train", "fork-legacy-mpu"])
+    src = str(Path(registry.__file__).parents[3])
+    env = registry.environment({"PYTHONPATH": os.pathsep.join([str(tmp_path / "tree"), src])},
+                               ["fork-deepspeed-train", "fork-legacy-mpu"])
     env["PATH"] = os.environ.get("PATH", "")
     proc = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

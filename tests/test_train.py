@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megaport.train import baseline, data, example, log, pretrain
+from megaport.train import data, example, failure, log, pretrain
+from megaport.train.shims import registry
 # The three shapes upstream's example scripts have had (abridged): arrays (2024 on), quoted
 # strings (2022-2023), one command line (2020-2021).
 ARRAYS = """#!/bin/bash
@@ -288,32 +289,6 @@ def test_print_command_needs_a_megatron_lm_tree(tmp_path, capsys):
     assert "PYTHONPATH=" in out and "launch --cpu pretrain_gpt.py --num-layers 2" in out
 
 
-@pytest.mark.parametrize("failure,shim", [
-    ("ModuleNotFoundError: No module named 'transformer_engine'", "transformer-engine"),
-    ("PackageNotFoundError: No package metadata was found for transformer-engine", "transformer-engine"),
-    ("ValueError: Apex must currently be installed to use megatron core.", "apex"),
-    ("AttributeError: module 'numpy' has no attribute 'float'.", "stack"),
-    ("ModuleNotFoundError: No module named 'torch._six'", "stack"),
-    ("ModuleNotFoundError: No module named 'amp_C'", "apex"),
-    ("ModuleNotFoundError: No module named 'apex'", "apex"),
-    ("TypeError: expected str, bytes or os.PathLike object, not NoneType (cpp_extension.CUDA_HOME)", "fused-kernel-build"),
-    ("ImportError: transformer_engine is a megaport baseline stub: TransformerEngine is not installed when "
-     "instantiating TEDotProductAttention when instantiating SelfAttention", "te-spec"),
-    ('  File "/tmp/u/megatron/mpu/layers.py", line 226, in backward\n'
-     "    grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1],\n"
-     "RuntimeError: view size is not compatible with input tensor's size and stride", "wgrad-contiguous"),
-    ('  File "/tmp/u/megatron/model/transformer.py", line 301, in forward\n'
-     "    query_layer = query_layer.view(output_size[2],\n"
-     "RuntimeError: view size is not compatible with input tensor's size and stride", "fork-attention-view"),
-    ("RuntimeError: view size is not compatible with input tensor's size and stride", None),
-    ("AssertionError: loss is nan", None),
-])
-def test_a_baseline_shim_is_added_only_for_its_own_failure(failure, shim):
-    assert baseline.shim_for(failure, []) == shim
-    if shim:
-        assert baseline.shim_for(failure, [shim]) is None  # never twice
-
-
 def test_wgrad_shim_lets_2022s_linear_backward_take_a_non_contiguous_gradient(tmp_path):
     """2022-02/05 upstream's backward views its gradient in 2-D; the shim hands it a contiguous one."""
     layers = tmp_path / "tree" / "megatron" / "mpu"
@@ -329,7 +304,9 @@ def test_wgrad_shim_lets_2022s_linear_backward_take_a_non_contiguous_gradient(tm
         "        grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2])\n"
         "        return grad_input, grad_output.t().matmul(input.reshape(-1, input.shape[2]))\n")
     code = """
-import torch
+import sys, torch
+from megaport.train import failure
+sys.excepthook = lambda kind, exc, tb: (failure.record(exc), sys.__excepthook__(kind, exc, tb))
 from megatron.mpu.layers import LinearWithGradAccumulationAndAsyncAllreduce as Linear
 x, w = torch.randn(3, 2, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
 # A transpose after the layer: autograd hands its backward a non-contiguous gradient.
@@ -339,19 +316,19 @@ want = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
 print(torch.allclose(x.grad, want[0].grad), torch.allclose(w.grad, want[1].grad))
 """
     def run(shims):
-        env = baseline.with_shims({"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "tree")},
-                                  str(tmp_path / "shims"), shims)
+        env = registry.environment({"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "tree")}, shims)
+        env[failure.FAILURE_DIR_ENV] = str(tmp_path)
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               cwd=tmp_path / "tree")
     unshimmed = run([])
-    assert baseline.shim_for(unshimmed.stderr, []) == "wgrad-contiguous", unshimmed.stderr[-2000:]
+    assert registry.pick(failure.read(tmp_path), []) == "wgrad-contiguous", unshimmed.stderr[-2000:]
     shimmed = run(["wgrad-contiguous"])
     assert shimmed.returncode == 0, shimmed.stderr[-3000:]
     assert shimmed.stdout.split() == ["True", "True"]
 
 
 def test_baseline_shims_serve_what_unported_old_upstream_imports(tmp_path):
-    env = baseline.with_shims({"PATH": "/usr/bin:/bin"}, str(tmp_path), ["stack", "apex", "transformer-engine"])
+    env = registry.environment({"PATH": "/usr/bin:/bin"}, ["stack", "apex", "transformer-engine"])
     code = """
 import numpy as np, torch
 from torch._six import inf

@@ -19,6 +19,7 @@ import pytest
 from support.porting import assert_clean, port
 
 from megaport.train import baseline, pretrain
+from megaport.train.shims import registry
 
 pytestmark = pytest.mark.fullclone
 
@@ -46,7 +47,7 @@ def _train_and_compare(tree: Path, sha: str) -> None:
     parity = pretrain.loss_parity(ported, upstream)
     assert len(parity["iterations"]) >= max(10, 0.9 * min(len(losses), len(upstream["losses"]))), parity
     assert parity["max_relative_difference"] <= 0.01, parity
-    assert set(shims) <= set(baseline.SHIMS)
+    assert set(shims) <= set(registry.REGISTRY)
 
 
 @pytest.mark.parametrize("era,ref", ERAS, ids=[era for era, _ in ERAS])

@@ -10,7 +10,14 @@ upstream's megatron.core builders in-process (:mod:`megaport.train.harness`).
 
 The yardstick is the tree's unported upstream commit, exported next to it (the tree is not
 touched), run the same way with its fusions off; shims it needed to start on this stack are
-listed (:mod:`megaport.train.baseline`). Never the port against itself.
+listed (:mod:`megaport.train.shims`), none of them the port's code, which every baseline process
+proves. Never the port against itself.
+
+Parity compares what a broken port changes: the loss *and* the grad norm upstream logs, per
+iteration, over a window in which the model measurably learns (the loss falls by
+:data:`MIN_LOSS_DROP` at least; the run's learning rate is raised for it where the example's is
+too small for a short run, and the report says so). A fault in the optimizer step, the clipping
+or the grad norm then moves one of them by far more than the tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from megaport.smoke import _tree
 from megaport.train import baseline, example, harness, pretrain
 
 PARITY = 0.01  # per-iteration loss, relative
+GRAD_NORM_PARITY = 0.05  # per-iteration grad norm, relative (a norm amplifies rounding more than the loss)
+MIN_LOSS_DROP = 0.10  # the baseline's loss must fall this much over the compared iterations
 MIN_LOGGED = 10  # iterations with a loss (fp16's loss-scale search skips the first ~16)
 HARNESS_STEPS = 48
 
@@ -33,8 +42,9 @@ def _entry_point(smoke) -> str:
 
 
 def _pretrain_run(smoke, mode: str = "ported") -> pretrain.Run:
-    sizes = pretrain.GPU_SIZES if smoke.gpu else example.Sizes()
-    return pretrain.Run(tree=str(smoke.tree), mode=mode, device="cuda" if smoke.gpu else "cpu", sizes=sizes)
+    sizes, data = example.parity_data(pretrain.GPU_SIZES if smoke.gpu else example.Sizes(), str(smoke.tree))
+    return pretrain.Run(tree=str(smoke.tree), mode=mode, device="cuda" if smoke.gpu else "cpu", sizes=sizes,
+                        lr=example.parity_learning_rate(str(smoke.tree)), data=data)
 
 
 def _harness(smoke, tree, mode, env):
@@ -57,6 +67,8 @@ def ported_run(smoke):
             "optimizer", "upstream_parser", "transformer_impl_default", "log", "engine")
     smoke.facts["training"] = {k: document[k] for k in keep if k in document}
     smoke.facts["training_losses"] = [round(v, 4) for v in document["losses"]]
+    if any(v is not None for v in document.get("grad_norms") or ()):
+        smoke.facts["training_grad_norms"] = document["grad_norms"]
     if document.get("substitutions"):
         smoke.facts["training_cpu_substitutions"] = document["substitutions"]
     return document
@@ -99,6 +111,15 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, ported_run):
     assert len(parity["iterations"]) >= max(MIN_LOGGED, 0.9 * logged), (
         f"only {len(parity['iterations'])} iterations logged by both runs (fp16 skipped others: ported only "
         f"{parity['only_ported']}, upstream only {parity['only_upstream']})")
+    assert parity["loss_drop"] >= MIN_LOSS_DROP, (
+        f"unported upstream's loss fell by {parity['loss_drop']:.1%} over the compared iterations, less than "
+        f"{MIN_LOSS_DROP:.0%}: parity over a window where the model does not learn proves nothing: "
+        f"{parity['upstream']}")
     worst = parity["max_relative_difference"]
     assert worst <= PARITY, (f"per-iteration losses differ by up to {worst:.2%} from unported upstream with its "
                              f"fusions off:\n ported   {parity['ported']}\n upstream {parity['upstream']}")
+    assert parity["grad_norm_compared"], "upstream's log has no grad norm for every compared iteration"
+    worst = parity["grad_norm_max_relative_difference"]
+    assert worst <= GRAD_NORM_PARITY, (
+        f"per-iteration grad norms differ by up to {worst:.2%} from unported upstream with its fusions off:\n"
+        f" ported   {parity['ported_grad_norms']}\n upstream {parity['upstream_grad_norms']}")

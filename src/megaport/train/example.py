@@ -9,6 +9,7 @@ the script has it, under the name the era's parser knows it by (:data:`RENAMED`)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -45,6 +46,10 @@ LAUNCHER_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_ra
                   "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--standalone")
 #: Logging and evaluation of a short run: every iteration logged, no evaluation.
 SHORT_RUN = ["--split", "949,50,1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
+#: The same for a tiny indexed dataset in eras whose data pipeline is megatron.core's (those with
+#: --mock-data): an empty test split would make it loop for ever over zero-token epochs, and its
+#: samplers refuse an empty validation set.
+SHORT_RUN_CORE_DATA = ["--split", "90,10,0", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
 #: What a ROCm user without megaport adds to run upstream at all (those the era's parser has).
 FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
                      "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
@@ -98,6 +103,12 @@ def script_flags(text: str) -> list:
                 continue
             out += [flag, *values]
     return out
+
+
+def flag_value(tokens: list, flag: str) -> str | None:
+    """The last value given for ``flag`` in ``tokens`` (argparse's answer), or None."""
+    values = [values for f, values in _grouped(tokens) if f == flag and values]
+    return values[-1][0] if values else None
 
 
 def parser_has(tree: str, flag: str) -> bool:
@@ -170,6 +181,40 @@ class Sizes:
     steps: int = 100
     # mock data's vocabulary (NullTokenizer): core 0.10-0.12's mock documents count up to 4096
     vocab: int = 4096
+
+
+#: Loss parity's learning rate where the example's is lower: at the examples' 6e-5 … 1.5e-4 the
+#: loss moves ~0.5 % in a hundred iterations, and parity then holds whatever the optimizer does.
+#: At 3e-3 it falls by a third or more in every era (measured: 2022-06 5.98 → 2.67, main 5.55 → 1.81).
+PARITY_LEARNING_RATE = 3e-3
+#: The mock data's vocabulary for parity where its documents count modulo the vocabulary (core
+#: 0.13 on): small enough that a short run learns each next token.
+LEARNABLE_MOCK_VOCAB = 256
+_MOCK_DATASET = "megatron/core/datasets/gpt_dataset.py"
+
+
+def parity_learning_rate(tree: str) -> float | None:
+    """:data:`PARITY_LEARNING_RATE` where the example's learning rate is lower, else None (keep it)."""
+    tokens, _ = example_flags(tree)
+    given = flag_value(tokens, "--lr")
+    return PARITY_LEARNING_RATE if given is None or float(given) < PARITY_LEARNING_RATE else None
+
+
+def mock_data_is_learnable(tree: str) -> bool:
+    """Whether the tree's mock documents count modulo the vocabulary (core 0.13 on), so a small
+    vocabulary makes them learnable in a short run; older ones count up to 4096 whatever it is,
+    which a hundred iterations at two sequences each barely begin to learn."""
+    path = os.path.join(tree, _MOCK_DATASET)
+    return os.path.isfile(path) and "% self.vocab_size" in open(path, encoding="utf-8").read()
+
+
+def parity_data(sizes: Sizes, tree: str) -> tuple:
+    """Data and sizes for a loss-parity run, in which the model must measurably learn: (sizes,
+    "mock" or "indexed"). Mock data with a small vocabulary where it is learnable; elsewhere the
+    tiny indexed dataset of learnable documents (which the eras without --mock-data train on anyway)."""
+    if mock_data_is_learnable(tree):
+        return dataclasses.replace(sizes, vocab=min(sizes.vocab, LEARNABLE_MOCK_VOCAB)), "mock"
+    return sizes, "indexed"
 
 
 def mock_data(sizes: Sizes) -> list:

@@ -55,7 +55,9 @@ import tempfile
 import time
 
 from megaport.train import example
-from megaport.train.baseline import SHIMS, unported_upstream, with_fewest_shims
+from megaport.train import failure
+from megaport.train.baseline import unported_upstream, with_fewest_shims
+from megaport.train.shims import audit
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -395,7 +397,7 @@ def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts
 
 def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torch):
     """The training steps, as upstream's schedule runs them at one micro-batch per step:
-    (loss per step, seconds per step, grad norm of each step the optimizer took)."""
+    (loss per step, seconds per step, grad norm per step: None where the optimizer gave none)."""
     position_ids = torch.arange(run.seq, device=device).unsqueeze(0).expand(run.batch, run.seq)
     causal = torch.tril(torch.ones(run.seq, run.seq, dtype=torch.bool, device=device))
     attention_mask = (~causal).view(1, 1, run.seq, run.seq)
@@ -415,8 +417,8 @@ def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torc
         if has_ddp and hasattr(model, "finish_grad_sync"):
             model.finish_grad_sync()
         result = optimizer.step()
-        if megatron_optimizer and isinstance(result, tuple) and len(result) > 1 and result[1] is not None:
-            grad_norms.append(float(result[1]))
+        norm = result[1] if megatron_optimizer and isinstance(result, tuple) and len(result) > 1 else None
+        grad_norms.append(None if norm is None else float(norm))
         value = loss.item()
         if gpu:
             torch.cuda.synchronize()
@@ -439,7 +441,11 @@ def main(argv=None) -> int:
                         default=defaults.position_embedding)
     args = vars(parser.parse_args(argv))
     args["position_embedding"] = args.pop("position_embedding")
-    document = train(Run(**args))
+    try:
+        document = train(Run(**args))
+    except BaseException as exc:
+        failure.record(exc)  # what it died of, for the baseline's choice of shims
+        raise
     sys.stdout.write("\n" + json.dumps(document) + "\n")
     sys.stdout.flush()
     return 0
@@ -459,14 +465,19 @@ def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float =
         command += [f"--{name.replace('_', '-')}", str(value)]
     env = dict(os.environ if env is None else env)
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
-                          stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
-    last = proc.stdout.strip().rsplit("\n", 1)[-1] if proc.stdout.strip() else ""
-    if proc.returncode != 0 or not last.startswith("{"):
+    with tempfile.TemporaryDirectory(prefix="megaport-harness-") as failures, \
+            tempfile.TemporaryDirectory(prefix="megaport-audit-") as audits:
+        env.update({failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits})
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
+                              stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+        died_of, port_code = failure.read(failures), audit.read(audits)
+    documents = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not documents:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise RuntimeError(f"training run on {tree} ({mode}) exited {proc.returncode}:\n{tail}")
-    document = json.loads(last)
+        raise failure.RunFailed(f"training run on {tree} ({mode}) exited {proc.returncode}:\n{tail}", died_of)
+    document = json.loads(documents[-1])
     document["log"] = [line for line in proc.stdout.splitlines() if line.startswith("> ROCm port:")]
+    document["baseline_port_code"] = port_code
     return document
 
 
@@ -474,7 +485,9 @@ def upstream_baseline(tree, sha: str, **sizes) -> tuple[dict, list]:
     """Upstream with its fusions off, on the same sizes: (its run, the baseline shims it needed).
     The unported commit is exported next to the tree and run as a ROCm user without megaport
     would (see :mod:`megaport.train.baseline` for the shims)."""
+    from megaport.train.shims.registry import describe
+
     with unported_upstream(tree, sha) as (upstream, env):
         document, shims = with_fewest_shims(
             lambda shimmed: run_in_subprocess(upstream, "fusions-off", env=shimmed, **sizes), env)
-    return document, [SHIMS[s] for s in shims]
+    return document, [describe(s) for s in shims]

@@ -18,6 +18,8 @@ import resource
 import runpy
 import sys
 
+from megaport.train import failure
+
 PEAK = "> megaport: peak memory"
 OPTIONS = "> megaport: parser options"
 
@@ -76,6 +78,9 @@ def main(argv=None) -> int:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:  # some eras end with sys.exit() after training
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:
+        failure.record(exc)  # what the rank died of, for the baseline's choice of shims
+        raise
     if code == 0 and not listing:
         print(_peak(torch, cpu), flush=True)
     return code

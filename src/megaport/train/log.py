@@ -8,6 +8,7 @@ from dataclasses import dataclass
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
+_GRAD_NORM = re.compile(r"\bgrad norm:\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
 _SKIPPED = re.compile(r"number of skipped iterations:\s*(\d+)")
 PORT_LINE = "> ROCm port:"
 # The exception a rank died of, as its traceback's last line says it (torchrun prefixes "[rankN]: ").
@@ -21,6 +22,7 @@ class Iteration:
     iteration: int
     loss: float
     ms: float
+    grad_norm: float | None = None  # every era logs it beside the loss (with --clip-grad, the default)
 
 
 def parse_log(text: str) -> list:
@@ -37,7 +39,9 @@ def parse_log(text: str) -> list:
         skipped = _SKIPPED.search(line)
         if skipped and int(skipped.group(1)) > 0 and float(loss.group(1)) == 0.0:
             continue
-        found.append(Iteration(int(it.group(1)), float(loss.group(1)), float(ms.group(1))))
+        norm = _GRAD_NORM.search(line)
+        found.append(Iteration(int(it.group(1)), float(loss.group(1)), float(ms.group(1)),
+                               float(norm.group(1)) if norm else None))
     return found
 
 

@@ -30,7 +30,8 @@ import tempfile
 from dataclasses import dataclass, field
 
 from megaport import deepspeed
-from megaport.train import deepspeed_example, example, log
+from megaport.train import deepspeed_example, example, failure, log
+from megaport.train.shims import audit
 from megaport.train.cpu import MARK as CPU_MARK
 from megaport.train.launch import PEAK
 
@@ -50,6 +51,12 @@ class Run:
     sizes: example.Sizes = field(default_factory=example.Sizes)
     warmup: int = 3  # logged iterations left out of ms/iter (compilation, allocator warm-up)
     dropout: float | None = None  # None keeps the example's; 0.0 where loss parity needs it
+    # None keeps the example's learning rate; loss parity raises it where the example's would not
+    # let the model learn measurably in a short run (see PARITY_LEARNING_RATE)
+    lr: float | None = None
+    # "mock" (upstream's mock dataset, where the parser has --mock-data) or "indexed" (a tiny
+    # indexed dataset written for the run); None: mock where the parser has it
+    data: str | None = None
     nproc: int = 1
     # Megatron-DeepSpeed trees: "deepspeed" (the example's --deepspeed, DeepSpeed's engine) or
     # "megatron" (its DeepSpeed flags left out: Megatron's own loop). Upstream trees ignore it.
@@ -79,12 +86,14 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     else:
         tokens, source = example.example_flags(run.tree)
         notes = [f"flags of {source}, changed in size, iterations and data only"]
-    if example.parser_has(run.tree, "--mock-data"):
+    mock = example.parser_has(run.tree, "--mock-data") if run.data is None else run.data == "mock"
+    if mock:
         data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
     else:
         from megaport.train.data import indexed_data_flags
 
-        data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN)
+        core_data = example.parser_has(run.tree, "--mock-data")
+        data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else example.SHORT_RUN)
         described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
     flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
@@ -92,6 +101,10 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     if run.dropout is not None:
         flags += ["--hidden-dropout", str(run.dropout), "--attention-dropout", str(run.dropout)]
         notes.append(f"dropout {run.dropout} (for loss parity)")
+    if run.lr is not None:
+        flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
+        notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
+                     "needs a window where the model measurably learns)")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
                 "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
@@ -141,12 +154,18 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
 def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaport-pretrain-") as workdir:
         cmd = command(run, workdir)
-        proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=environment(run.tree, env), capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        failures, audits = os.path.join(workdir, "failures"), os.path.join(workdir, "audits")
+        os.makedirs(failures)
+        os.makedirs(audits)
+        run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits}
+        proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+        died_of, port_code = failure.read(failures), audit.read(audits)
     text = proc.stdout + "\n" + proc.stderr
     iterations = log.parse_log(text)
     if proc.returncode != 0 or not iterations:
-        raise RuntimeError(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations)))
+        raise failure.RunFailed(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations)),
+                                died_of)
     timed = [i.ms for i in iterations[run.warmup:]] or [i.ms for i in iterations]
     ms = statistics.median(timed)
     peak = _PEAK.search(text)
@@ -154,26 +173,56 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
     return {"command": cmd.shell(), "data": cmd.data, "notes": cmd.notes, "mode": run.mode, "device": run.device,
             "sizes": dataclasses.asdict(sizes),
             "iterations": [i.iteration for i in iterations], "losses": [i.loss for i in iterations],
+            "grad_norms": [i.grad_norm for i in iterations],
             "ms_per_iter": ms, "tokens_per_s": sizes.batch * sizes.seq * run.nproc / (ms / 1000),
             "peak_memory_bytes": int(peak.group(1)) if peak else None,
             "peak_memory_kind": peak.group(2) if peak else None,
             "port_log": log.port_lines(text),
-            "substitutions": [line[len(CPU_MARK):].strip() for line in text.splitlines() if line.startswith(CPU_MARK)]}
+            "substitutions": [line[len(CPU_MARK):].strip() for line in text.splitlines() if line.startswith(CPU_MARK)],
+            "baseline_port_code": port_code}
 
 
 def loss_parity(ported: dict, baseline: dict) -> dict:
-    """Per-iteration losses of two runs, compared where both logged one: the iterations compared
-    and the largest relative difference. fp16's dynamic loss scale skips an iteration whose
-    gradients overflow; fused and unfused arithmetic round differently, so now and then one run
-    skips an iteration the other logs (``only_ported``/``only_upstream`` list them)."""
-    mine = dict(zip(ported["iterations"], ported["losses"]))
-    theirs = dict(zip(baseline["iterations"], baseline["losses"]))
+    """Per-iteration loss *and* grad norm of two runs, compared where both logged one: the
+    iterations compared, the largest relative difference of each, and how much the baseline's loss
+    fell over them (parity means nothing where the model does not learn: then almost any optimizer
+    fault keeps the loss within 1 %).
+
+    fp16's dynamic loss scale skips an iteration whose gradients overflow; fused and unfused
+    arithmetic round differently, so now and then one run skips an iteration the other logs
+    (``only_ported``/``only_upstream`` list them). A run without a grad norm (the harness of an
+    era that logs none) compares the loss alone, and says so (``grad_norm_compared`` False)."""
+    mine = dict(zip(ported["iterations"], zip(ported["losses"], ported.get("grad_norms") or _nones(ported))))
+    theirs = dict(zip(baseline["iterations"], zip(baseline["losses"], baseline.get("grad_norms") or _nones(baseline))))
     common = sorted(set(mine) & set(theirs))
-    worst = max((abs(mine[i] - theirs[i]) / abs(theirs[i]) for i in common), default=float("inf"))
+    norms = [i for i in common if mine[i][1] is not None and theirs[i][1] is not None]
+    upstream_losses = [theirs[i][0] for i in common]
     return {"iterations": common, "same_iterations": set(mine) == set(theirs),
             "only_ported": sorted(set(mine) - set(theirs)), "only_upstream": sorted(set(theirs) - set(mine)),
-            "max_relative_difference": worst,
-            "ported": [round(mine[i], 5) for i in common], "upstream": [round(theirs[i], 5) for i in common]}
+            "max_relative_difference": _worst(mine, theirs, common, 0),
+            "grad_norm_compared": bool(norms) and len(norms) == len(common),
+            "grad_norm_max_relative_difference": _worst(mine, theirs, norms, 1),
+            "loss_drop": loss_drop(upstream_losses),
+            "ported": [round(mine[i][0], 5) for i in common], "upstream": [round(v, 5) for v in upstream_losses],
+            "ported_grad_norms": [mine[i][1] for i in norms], "upstream_grad_norms": [theirs[i][1] for i in norms]}
+
+
+def loss_drop(losses: list, window: int = 5) -> float:
+    """How much the loss fell over a run, relative: the mean of its first ``window`` values against
+    the mean of its last (means, so one noisy step neither makes nor hides it)."""
+    if len(losses) < 2 * window:
+        return 0.0
+    first, last = statistics.mean(losses[:window]), statistics.mean(losses[-window:])
+    return (first - last) / abs(first)
+
+
+def _nones(run: dict) -> list:
+    return [None] * len(run["iterations"])
+
+
+def _worst(mine: dict, theirs: dict, iterations: list, which: int) -> float:
+    return max((abs(mine[i][which] - theirs[i][which]) / abs(theirs[i][which]) for i in iterations),
+               default=float("inf"))
 
 
 def _free_port() -> int:

@@ -1,0 +1,45 @@
+"""Proof that a baseline process ran none of the port's code: what it had loaded, reported at exit.
+
+Each process of the baseline (every rank, and any Python that upstream's build steps start) writes
+one file into ``$MEGAPORT_BASELINE_AUDIT_DIR``: never to stdout, which upstream's Makefile reads
+from ``python3 -m pybind11 --includes``. Torch-free, so the parent reads the reports without
+importing the shims."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+AUDIT_DIR_ENV = "MEGAPORT_BASELINE_AUDIT_DIR"
+_PORT_MARKS = ("install_import_blocker", "resolve_distributed_backend")  # names only the port's module defines
+
+
+def port_code_loaded() -> list:
+    """The port's code in this process: modules named ``*rocm_port`` or from megaport.replacements,
+    any module defining the port's own functions, and finders on sys.meta_path from such modules."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        names = getattr(module, "__dict__", {})
+        if (name.endswith("rocm_port") or name.startswith("megaport.replacements")
+                or all(mark in names for mark in _PORT_MARKS)):
+            found.append(f"module {name}")
+    flagged = {entry.split(" ", 1)[1] for entry in found}
+    for finder in sys.meta_path:
+        if type(finder).__module__ in flagged:
+            found.append(f"finder {type(finder).__module__}.{type(finder).__qualname__}")
+    return found
+
+
+def report_port_code() -> None:
+    """Write what :func:`port_code_loaded` found to ``$MEGAPORT_BASELINE_AUDIT_DIR`` (when set)."""
+    folder = os.environ.get(AUDIT_DIR_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"audit-{os.getpid()}.json").write_text(json.dumps(port_code_loaded()), encoding="utf-8")
+
+
+def read(folder) -> list | None:
+    """Every port module or finder the processes reported in ``folder``; None when none reported."""
+    reports = [json.loads(p.read_text(encoding="utf-8")) for p in Path(folder).glob("audit-*.json")]
+    return None if not reports else sorted({entry for report in reports for entry in report})

@@ -1,0 +1,48 @@
+"""The registry of baseline shims: which exist, which answers a failure, and how a baseline
+process gets them (see the package's docstring for what a shim is)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megaport.train.shims import (apex_pytorch, deepspeed_compression, deepspeed_tensor_types, fork_attention_view,
+                                  fork_deepspeed_train, fork_legacy_mpu, fused_kernel_build, stack_names, te_import_stub,
+                                  te_spec, wgrad_contiguous)
+
+#: Every shim, in the order a failure is offered to them (the first whose pattern matches answers).
+REGISTRY = {shim.NAME: shim for shim in (
+    te_import_stub, stack_names, apex_pytorch, fused_kernel_build, te_spec, deepspeed_compression, wgrad_contiguous,
+    fork_attention_view, deepspeed_tensor_types, fork_deepspeed_train, fork_legacy_mpu)}
+SHIMS_ENV = "MEGAPORT_BASELINE_SHIMS"
+_STARTUP = Path(__file__).with_name("startup")
+
+
+def describe(name: str) -> str:
+    return REGISTRY[name].DESCRIPTION
+
+
+def pick(failures, have) -> str | None:
+    """The shim that answers one of ``failures`` (the first in registry order), never one in ``have``."""
+    for name, shim in REGISTRY.items():
+        if name not in have and any(m.matches(f) for f in failures for m in shim.PATTERN):
+            return name
+    return None
+
+
+def environment(env: dict, names: list) -> dict:
+    """``env`` for a baseline process with ``names`` installed at start-up (by this package's
+    ``sitecustomize``, first on PYTHONPATH); with no names, only the audit of port code."""
+    paths = [str(_STARTUP)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(_STARTUP)]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths), SHIMS_ENV: ",".join(names)}
+
+
+def install_from_environment() -> list:
+    """In a baseline process: install the shims ``$MEGAPORT_BASELINE_SHIMS`` names, in order."""
+    names = [n for n in os.environ.get(SHIMS_ENV, "").split(",") if n]
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise RuntimeError(f"{SHIMS_ENV} names unknown baseline shims {unknown}; known: {sorted(REGISTRY)}")
+    for name in names:
+        REGISTRY[name].install()
+    return names

@@ -1,0 +1,257 @@
+"""The baseline's shims: one module each, picked by the exception and the frame that raised it,
+computing what apex/TE/upstream's later fix computes, and never the port's code."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megaport.train import failure
+from megaport.train.shims import audit, registry
+
+SRC = Path(registry.__file__).resolve().parents[3]  # the folder holding the megaport package
+
+
+def _failure_of(code: str, folder: Path | None = None) -> failure.Failure:
+    """The failure ``code`` dies of, in this process (``folder`` first on sys.path)."""
+    if folder is not None:
+        sys.path.insert(0, str(folder))
+    try:
+        exec(compile(textwrap.dedent(code), "<failing>", "exec"), {})
+    except Exception as exc:  # noqa: BLE001 - the failure is the point
+        return failure.from_exception(exc)
+    finally:
+        if folder is not None:
+            sys.path.remove(str(folder))
+            for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+                del sys.modules[name]
+    raise AssertionError(f"{code!r} did not fail")
+
+
+def _fake_upstream(root: Path, files: dict) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+def test_every_shim_is_a_module_with_its_description_and_pattern():
+    assert len(registry.REGISTRY) == 11
+    for name, shim in registry.REGISTRY.items():
+        assert shim.NAME == name
+        for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
+            assert isinstance(getattr(shim, field), str) and getattr(shim, field), (name, field)
+        assert shim.PATTERN and callable(shim.install), name
+
+
+def test_no_shim_reads_imports_or_copies_the_port():
+    """Written apart from rocm_port.py: nothing in the shims names the port's module."""
+    for path in Path(registry.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        imported += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+        assert not [m for m in imported if "replacements" in m or "rocm_port" in m], path
+        assert "rocm_port.py" not in path.read_text(encoding="utf-8") or path.name == "audit.py", path
+
+
+@pytest.mark.parametrize("code,shim", [
+    ("import amp_C", "apex"),
+    ("import apex.optimizers", "apex"),
+    ("import fused_mix_prec_layer_norm_cuda", "apex"),
+    ("raise ValueError('Apex must be installed to use FusedLayerNorm.')", "apex"),
+    ("import transformer_engine", "transformer-engine"),
+    ("import importlib.metadata as m\nm.version('transformer-engine')", "transformer-engine"),
+    ("import torch._six", "stack"),
+    ("import numpy\nnumpy.float", "stack"),
+    (failure.Failure("ModuleNotFoundError", "No module named 'deepspeed.compression.compress'",
+                     module="deepspeed.compression.compress"), "deepspeed-compression"),  # DeepSpeed >= 0.18
+    ("isinstance(1, 2)", "deepspeed-tensor-types"),
+    ("class Timers:\n    pass\nTimers().timers", "fork-deepspeed-train"),
+    ("from megaport.train.shims.te_import_stub import TransformerEngineStubUsed\n"
+     "raise TransformerEngineStubUsed('TransformerEngine is not installed when instantiating TEDotProductAttention')",
+     "te-spec"),
+    ("import os\nos.path.join(None, 'bin', 'nvcc')", None),  # outside upstream's kernel build
+    ("raise AssertionError('loss is nan')", None),
+    ("import torch\ntorch.ones(4, 4).t().view(16)", None),  # a view failure in no shim's frame
+])
+def test_a_shim_answers_only_its_own_failure(code, shim):
+    found = code if isinstance(code, failure.Failure) else _failure_of(code)
+    assert registry.pick([found], []) == shim, found
+    if shim:
+        assert registry.pick([found], [shim]) is None  # never twice
+
+
+def test_the_two_view_failures_are_told_apart_by_the_frame_that_raised(tmp_path):
+    tree = _fake_upstream(tmp_path, {
+        "megatron/__init__.py": "",
+        "megatron/mpu/__init__.py": "",
+        "megatron/mpu/layers.py": """
+            import torch
+            def backward(grad_output):
+                grad_output = grad_output.view(16)
+            """,
+        "megatron/model/__init__.py": "",
+        "megatron/model/transformer.py": """
+            import torch
+            def forward(mixed):
+                query_layer = mixed.view(16)
+            """})
+    wgrad = _failure_of("from megatron.mpu.layers import backward\nimport torch\nbackward(torch.ones(4, 4).t())", tree)
+    attention = _failure_of("from megatron.model.transformer import forward\nimport torch\n"
+                            "forward(torch.ones(4, 4).t())", tree)
+    assert registry.pick([wgrad], []) == "wgrad-contiguous"
+    assert registry.pick([attention], []) == "fork-attention-view"
+
+
+def test_the_kernel_build_is_answered_by_the_file_that_failed(tmp_path):
+    tree = _fake_upstream(tmp_path, {"megatron/__init__.py": "", "megatron/fused_kernels/__init__.py": """
+        import os
+        def load(args):
+            cuda_home = None
+            os.path.join(cuda_home, 'bin', 'nvcc')
+        """})
+    found = _failure_of("from megatron.fused_kernels import load\nload(None)", tree)
+    assert found.exception == "TypeError"
+    assert registry.pick([found], []) == "fused-kernel-build"
+
+
+def test_a_failure_raised_from_another_is_matched_through_its_chain():
+    found = _failure_of("try:\n    import amp_C\nexcept ImportError as exc:\n    raise RuntimeError('no kernels') from exc")
+    assert [f.exception for f in found.chain()] == ["RuntimeError", "ModuleNotFoundError"]
+    assert registry.pick([found], []) == "apex"
+
+
+def test_failures_round_trip_through_the_failure_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(failure.FAILURE_DIR_ENV, str(tmp_path))
+    try:
+        import amp_C  # noqa: F401
+    except ImportError as exc:
+        failure.record(exc)
+    (read,) = failure.read(tmp_path)
+    assert read.exception == "ModuleNotFoundError" and read.module == "amp_C"
+    assert registry.pick([read], []) == "apex"
+
+
+def _run_baseline_process(code: str, names: list, tmp_path: Path, src: Path = SRC) -> tuple:
+    """``code`` in a fresh interpreter set up as a baseline process (shims ``names``, megaport
+    from ``src``): (its stdout, what its audit reported)."""
+    audits = tmp_path / "audits"
+    audits.mkdir(exist_ok=True)
+    env = registry.environment({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(src)}, names)
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(SRC), str(src))
+    env[audit.AUDIT_DIR_ENV] = str(audits)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, audit.read(audits)
+
+
+_USE_EVERY_SHIM = """
+import importlib, numpy as np, torch
+from torch._six import inf
+import amp_C, apex, fused_mix_prec_layer_norm_cuda, fused_layer_norm_cuda, fused_weight_gradient_mlp_cuda
+import fused_dense_cuda, transformer_engine
+from apex.optimizers import FusedAdam, FusedSGD
+from apex.multi_tensor_apply import multi_tensor_applier
+from apex.normalization import MixedFusedRMSNorm
+from apex.normalization.fused_layer_norm import FusedLayerNorm, FusedLayerNormAffineFunction
+from apex.contrib.layer_norm.layer_norm import FastLayerNormFN
+print("ok")
+"""
+
+
+def test_the_baseline_loads_nothing_of_the_port(tmp_path):
+    """Every shim installed and used, as a baseline process: its audit finds no port module and no
+    port finder on sys.meta_path."""
+    stdout, loaded = _run_baseline_process(_USE_EVERY_SHIM, list(registry.REGISTRY), tmp_path)
+    assert stdout.split() == ["ok"]
+    assert loaded == [], loaded
+
+
+def test_the_audit_sees_the_port_when_a_process_loads_it(tmp_path):
+    """The proof above can fail: a process that imports the port's module is reported."""
+    from megaport.replacements import render
+
+    (tmp_path / "rocm_port.py").write_text(render(fully_masked_rows_are_zero=True))
+    code = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport rocm_port\nprint('loaded')"
+    _, loaded = _run_baseline_process(code, [], tmp_path)
+    assert "module rocm_port" in loaded
+    assert any(entry.startswith("finder rocm_port.") for entry in loaded), loaded
+
+
+_APEX_VALUES = """
+import json, torch
+torch.manual_seed(0)
+import amp_C, fused_mix_prec_layer_norm_cuda as ln
+from apex.optimizers import FusedAdam
+from apex.multi_tensor_apply import multi_tensor_applier
+x, w, b = torch.randn(6, 8), torch.rand(8) + 0.5, torch.randn(8)
+out, mean, invvar = ln.forward_affine(x, (8,), w, b, 1e-5)
+grads = [torch.randn(5), torch.randn(3, 3)]
+flag = torch.zeros(1, dtype=torch.int)
+total, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [grads], False)
+scaled = [torch.empty_like(g) for g in grads]
+multi_tensor_applier(amp_C.multi_tensor_scale, flag, [grads, scaled], 0.5)
+p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)
+FusedAdam([p], lr=0.1).step()
+print(json.dumps({
+    "layer_norm": torch.allclose(out, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5), atol=1e-5),
+    "l2norm": torch.allclose(total, torch.cat([g.flatten() for g in grads]).norm().reshape(1)),
+    "scale": all(torch.equal(s, g * 0.5) for s, g in zip(scaled, grads)),
+    "adam": torch.allclose(p.detach(), torch.full((3,), 0.9))}))
+"""
+
+
+def test_a_planted_fault_in_the_ports_standins_never_reaches_the_baseline(tmp_path):
+    """megaport's own copy of rocm_port.py given wrong layer norm, grad norm, scaling and Adam: the
+    baseline's apex still computes torch's values (its shims share no code with the port)."""
+    copy = tmp_path / "src"
+    shutil.copytree(SRC / "megaport", copy / "megaport", ignore=shutil.ignore_patterns("__pycache__"))
+    port = copy / "megaport" / "replacements" / "rocm_port.py"
+    text = port.read_text(encoding="utf-8")
+    faults = {"    return out, mean.reshape(flat), rstd.reshape(flat)": "    return out * 3, mean.reshape(flat), "
+                                                                       "rstd.reshape(flat)",
+              "    total = torch.linalg.vector_norm(norms).reshape(1)": "    total = torch.linalg.vector_norm(norms)"
+                                                                        ".reshape(1) * 100",
+              "    srcs, dsts = list(tensor_lists[0]), list(tensor_lists[1])": "    srcs, dsts = list(tensor_lists[0]), "
+                                                                                "list(tensor_lists[1]); scale = 1.0",
+              "            super().__init__(params, *args, **kwargs)": "            kwargs['lr'] = 10.0\n"
+                                                                     "            super().__init__(params, *args, **kwargs)"}
+    for good, bad in faults.items():
+        assert text.count(good) == 1, good
+        text = text.replace(good, bad)
+    port.write_text(text, encoding="utf-8")
+    stdout, loaded = _run_baseline_process(_APEX_VALUES, ["apex"], tmp_path, src=copy)
+    assert json.loads(stdout.splitlines()[-1]) == {"layer_norm": True, "l2norm": True, "scale": True, "adam": True}
+    assert loaded == []
+
+
+def test_apex_shim_agrees_with_torch_in_mixed_precision_and_backward():
+    """The layer-norm extension's fp16 forward (output in the weight's dtype, fp32 statistics) and
+    its backward against autograd through torch's layer norm in fp64."""
+    import torch
+
+    from megaport.train.shims import apex_pytorch as apex
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, dtype=torch.float16)
+    w, b = (torch.rand(16) + 0.5).half(), torch.randn(16).half()
+    out, mean, invvar = apex.forward_affine(x, (16,), w, b, 1e-5)
+    assert out.dtype == torch.float16 and mean.dtype == invvar.dtype == torch.float32 and mean.shape == (12,)
+    ref = [t.double().requires_grad_() for t in (x, w, b)]
+    want = torch.nn.functional.layer_norm(ref[0], (16,), ref[1], ref[2], 1e-5)
+    torch.testing.assert_close(out.double(), want.detach(), atol=2e-3, rtol=2e-3)
+    g = torch.randn(4, 3, 16, dtype=torch.float16)
+    want.backward(g.double())
+    got = apex.backward_affine(g, mean, invvar, x, (16,), w, b, 1e-5)
+    for mine, theirs, tensor in zip(got, ref, (x, w, b)):
+        assert mine.dtype == tensor.dtype
+        torch.testing.assert_close(mine.double(), theirs.grad, atol=2e-2, rtol=2e-2)
