@@ -1,0 +1,43 @@
+"""Faults planted in a ported tree, for tests that prove loss parity fails when training is wrong.
+
+Each fault is one line of the tree changed: in the port's own module (its amp_C stand-ins, which
+upstream's grad-norm and clipping call in every era from 2021 to today) or in upstream's
+optimizer wrapper (the step the optimizer takes, whichever optimizer runs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Fault:
+    files: tuple  # the first that exists in the tree is changed
+    old: str
+    new: str
+    what: str
+
+
+PORT_FILES = ("megatron/core/rocm_port.py", "megatron/rocm_port.py")
+OPTIMIZER_FILES = ("megatron/core/optimizer/optimizer.py", "megatron/optimizer/optimizer.py")
+FAULTS = {
+    "grad-norm": Fault(PORT_FILES, "    total = torch.linalg.vector_norm(norms).reshape(1)\n",
+                       "    total = torch.linalg.vector_norm(norms).reshape(1) * 100\n",
+                       "the port's amp_C.multi_tensor_l2norm gives 100x the gradient norm"),
+    "clipping": Fault(PORT_FILES, "    srcs, dsts = list(tensor_lists[0]), list(tensor_lists[1])\n",
+                      "    srcs, dsts = list(tensor_lists[0]), list(tensor_lists[1])\n    scale = max(scale, 1.0)\n",
+                      "the port's amp_C.multi_tensor_scale ignores a clipping coefficient below 1"),
+    "optimizer-step": Fault(OPTIMIZER_FILES, "self.optimizer.step()", "self.optimizer.step(); self.optimizer.step()",
+                            "the optimizer's step is taken twice"),
+}
+
+
+def plant(tree: Path, name: str) -> Path:
+    """Plant fault ``name`` in ``tree``; the file changed."""
+    fault = FAULTS[name]
+    path = next(tree / f for f in fault.files if (tree / f).is_file())
+    text = path.read_text(encoding="utf-8")
+    assert fault.old in text, f"{path} no longer has {fault.old!r}: update tests/support/faults.py"
+    path.write_text(text.replace(fault.old, fault.new), encoding="utf-8")
+    return path
