@@ -146,27 +146,47 @@ def missing_import_verdict(missing: str) -> tuple[str, str]:
     return "skip", f"needs {top}, an upstream dependency not installed here"
 
 
-def import_first_or_skip(names, what: str):
+def missing_dependency(exc: BaseException, tree: Path | None = None) -> tuple[str, str] | None:
+    """``(verdict, line)`` for tree code whose import of a third-party package failed: ``'skip'``
+    only for an upstream dependency genuinely not installed here, ``'fail'`` for what the port must
+    fix (:func:`missing_import_verdict`); None when ``exc`` is no such thing (a missing megatron
+    module, a blocked module, anything but ModuleNotFoundError).
+
+    The one reporting path for a missing upstream package: every test that meets it, in process
+    or in a rank of the 2-rank run, says the same line, naming the tree's importing line, so the
+    report gives one ``skipped N:`` line for it.
+    """
+    if not isinstance(exc, ModuleNotFoundError):
+        return None
+    missing = exc.name or ""
+    if not missing or missing.partition(".")[0] == "megatron" or is_blocked(missing):
+        return None
+    verdict, why = missing_import_verdict(missing)
+    return verdict, f"{why} ({(tree_frame(exc, tree) if tree is not None else '') or exc})"
+
+
+def import_first_or_skip(names, what: str, tree: Path | None = None):
     """:func:`import_first`, with a missing third-party dependency judged by
     :func:`skip_or_fail_missing`: ``(module or None, why none)``."""
     try:
         return import_first(names)
     except ModuleNotFoundError as exc:
-        skip_or_fail_missing(exc, what)
+        skip_or_fail_missing(exc, what, tree)
 
 
-def skip_or_fail_missing(exc: ModuleNotFoundError, what: str):
+def skip_or_fail_missing(exc: ModuleNotFoundError, what: str, tree: Path | None = None):
     """Turn a failed import of tree code into a skip only for a genuinely absent optional
-    dependency; what the port must fix fails, and a missing megatron or blocked module re-raises."""
+    dependency (:func:`missing_dependency`'s line); what the port must fix fails, and a missing
+    megatron or blocked module re-raises."""
     import pytest
 
-    missing = exc.name or ""
-    if not missing or missing.partition(".")[0] == "megatron" or is_blocked(missing):
+    judged = missing_dependency(exc, tree)
+    if judged is None:
         raise exc
-    verdict, why = missing_import_verdict(missing)
+    verdict, line = judged
     if verdict == "fail":
-        pytest.fail(f"{what} {why} ({exc})", pytrace=False)
-    pytest.skip(f"{what} {why} ({exc})")
+        pytest.fail(f"{what} {line}", pytrace=False)
+    pytest.skip(line)
 
 
 def cuda_only_reason(exc: BaseException, tree: Path) -> str | None:

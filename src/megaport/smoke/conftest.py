@@ -214,7 +214,7 @@ def device(smoke, torch_module):
 
 @pytest.fixture(scope="session")
 def rocm_port(smoke):
-    module, reason = _tree.import_first_or_skip(_tree.ROCM_PORT_MODULES, "the tree")
+    module, reason = _tree.import_first_or_skip(_tree.ROCM_PORT_MODULES, "the tree", smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no rocm_port module ({reason}): the series did not apply")
     return module
@@ -222,7 +222,7 @@ def rocm_port(smoke):
 
 @pytest.fixture(scope="session")
 def fused_softmax(smoke, rocm_port):
-    module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree")
+    module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree", smoke.tree)
     if module is None:
         pytest.skip(f"no fused_softmax module in this tree ({reason})")
     return module
@@ -240,7 +240,8 @@ def process_group(smoke, torch_module, rocm_port):
     import torch.distributed as dist
 
     # megatron.core.parallel_state from 2022-11; megatron.mpu, with the same functions, before.
-    module, reason = _tree.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree")
+    module, reason = _tree.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree",
+                                                smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no model-parallel state module ({reason})", pytrace=False)
     parallel_state = module
@@ -283,7 +284,18 @@ def process_group(smoke, torch_module, rocm_port):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     before = set(_tree.blocked_modules_loaded())
-    result = yield
+    try:
+        result = yield
+    except ModuleNotFoundError as exc:
+        # Tree code that needs a third-party package this machine lacks, met anywhere in a test:
+        # the same one line as every other test that meets it (_tree.missing_dependency).
+        judged = _tree.missing_dependency(exc, item.config.stash[_tree.SMOKE_KEY].tree)
+        if judged is None:
+            raise
+        verdict, line = judged
+        if verdict == "fail":
+            pytest.fail(line, pytrace=False)
+        pytest.skip(line)
     loaded = sorted(set(_tree.blocked_modules_loaded()) - before)
     if loaded:
         pytest.fail(f"import guard: {', '.join(loaded)} got loaded during this test; "

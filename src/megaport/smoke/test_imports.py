@@ -78,10 +78,10 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
                         f"(apex/amp_C/*_cuda are not allowed): {where or exc}", pytrace=False)
         if missing.partition(".")[0] == "megatron":
             pytest.fail(f"importing {name} fails inside the tree: {exc} ({where})", pytrace=False)
-        verdict, why = _tree.missing_import_verdict(missing)
+        verdict, line = _tree.missing_dependency(exc, smoke.tree)
         if verdict == "fail":
-            pytest.fail(f"importing {name} {why} ({where or exc})", pytrace=False)
-        pytest.skip(f"{why} ({where or exc})")
+            pytest.fail(f"importing {name} {line}", pytrace=False)
+        pytest.skip(line)
     except ImportError as exc:
         culprit = exc.name or ""
         where = _tree.tree_frame(exc, smoke.tree)
