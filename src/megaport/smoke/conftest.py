@@ -222,9 +222,12 @@ def rocm_port(smoke):
 
 @pytest.fixture(scope="session")
 def fused_softmax(smoke, rocm_port):
+    """The tree's fused_softmax module: every era has one (megatron/model/fused_softmax.py from
+    v2.0), and the port's softmax runs in it, so a tree without one fails like one without rocm_port."""
     module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree", smoke.tree)
     if module is None:
-        pytest.skip(f"no fused_softmax module in this tree ({reason})")
+        pytest.fail(f"the tree has no fused_softmax module ({reason}): the port's softmax has nowhere to run",
+                    pytrace=False)
     return module
 
 
@@ -247,8 +250,7 @@ def process_group(smoke, torch_module, rocm_port):
     parallel_state = module
     name, source = _tree.distributed_backend_default(smoke.tree)
     chosen = name if smoke.gpu else "gloo"
-    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
-    backend = resolve(chosen) if resolve else chosen
+    backend = _tree.port_name(rocm_port, "resolve_distributed_backend")(chosen)
     smoke.facts["process_group"] = {"tree_default": name, "default_from": source, "chosen": chosen, "torch_backend": backend}
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

@@ -19,6 +19,9 @@ from megaport.train import harness
 torch = pytest.importorskip("torch")
 
 
+port_name = _tree.port_name  # rocm_port's names: missing is a broken port
+
+
 def need(module, name, what=None):
     value = getattr(module, name, None)
     if value is None:
@@ -64,7 +67,7 @@ def assert_same_params(got, want, what, atol=1e-6):
 
 
 def test_rocm_port_fused_adam_is_adamw(rocm_port, device):
-    fused_adam = need(rocm_port, "FusedAdam", "apex.optimizers.FusedAdam stand-in")
+    fused_adam = port_name(rocm_port, "FusedAdam")
     params, grads = params_and_grads(device)
     kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     # apex-only arguments that upstream passes must be accepted
@@ -74,7 +77,7 @@ def test_rocm_port_fused_adam_is_adamw(rocm_port, device):
 
 
 def test_rocm_port_fused_sgd_is_sgd(rocm_port, device):
-    fused_sgd = need(rocm_port, "FusedSGD", "apex.optimizers.FusedSGD stand-in")
+    fused_sgd = port_name(rocm_port, "FusedSGD")
     params, grads = params_and_grads(device, seed=1)
     kwargs = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
     got = run_steps(fused_sgd, params, grads, wd_after_momentum=False, **kwargs)
@@ -106,8 +109,8 @@ IMPLEMENTATIONS = ["rocm_port.amp_C", "clip_grads"]
 def multi_tensor_helpers(which, rocm_port):
     """(applier, l2norm, scale) of rocm_port's amp_C stand-in or of what clip_grads bound."""
     if which == "rocm_port.amp_C":
-        amp_c = need(rocm_port, "amp_C", "apex amp_C stand-in")
-        return need(rocm_port, "multi_tensor_applier"), amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
+        amp_c = port_name(rocm_port, "amp_C")
+        return port_name(rocm_port, "multi_tensor_applier"), amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
     clip = tree_module("megatron.core.optimizer.clip_grads", "megatron.optimizer.clip_grads")
     applier = need(clip, "multi_tensor_applier")
     if hasattr(clip, "l2_norm_impl"):  # core >= 0.8: TE → apex → megatron.core.utils fallbacks
@@ -237,7 +240,7 @@ def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtyp
     module, _ = _tree.import_first(("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
                                     "megatron.legacy.model.fused_layer_norm"))
     fn = getattr(module, "FusedLayerNormAffineFunction", None) if module else None
-    fn = fn or need(rocm_port, "FusedLayerNormAffineFunction")
+    fn = fn or port_name(rocm_port, "FusedLayerNormAffineFunction")
     if module is not None and getattr(module, "fused_mix_prec_layer_norm_cuda", False) is None:
         # 2021-2023 trees bind the layer-norm extension (the port's stand-in) into a module global
         # when the first MixedFusedLayerNorm is built; the function is only ever called after that.
@@ -309,7 +312,7 @@ def test_fused_layer_norm_module_matches_torch(smoke, device):
 
 def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
     """Old eras call apex's fused_mix_prec_layer_norm_cuda.forward_affine/backward_affine directly."""
-    ext = need(rocm_port, "fused_mix_prec_layer_norm_cuda")
+    ext = port_name(rocm_port, "fused_mix_prec_layer_norm_cuda")
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(6, 16, generator=gen, dtype=torch.float64).to(device)
     w = torch.randn(16, generator=gen, dtype=torch.float64).to(device)
@@ -340,7 +343,7 @@ def test_weight_gradient_accumulation_matches_matmul(smoke, rocm_port, device, m
     layers = tree_module("megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
     ext = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
     if ext is None and "rocm_port import fused_weight_gradient_mlp_cuda" in inspect.getsource(layers):
-        ext = rocm_port.fused_weight_gradient_mlp_cuda  # 2022's layers import it inside backward
+        ext = port_name(rocm_port, "fused_weight_gradient_mlp_cuda")  # 2022's layers import it inside backward
     if ext is None or not getattr(layers, "_grad_accum_fusion_available", True):
         pytest.fail("tensor_parallel.layers has no gradient-accumulation fusion: "
                     "the default --gradient-accumulation-fusion would raise", pytrace=False)

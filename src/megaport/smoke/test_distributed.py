@@ -58,9 +58,8 @@ def run(request, smoke, torch_module):
 def test_tree_resolves_the_backend(smoke, rocm_port, backend_choice, torch_module):
     """The tree's default and resolution: 'rccl' → torch 'nccl' (RCCL) on ROCm, 'nccl' on CUDA."""
     name, source = backend_choice
-    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
-    if resolve is None:
-        pytest.fail("rocm_port has no resolve_distributed_backend: the RCCL patch is missing", pytrace=False)
+    resolve = _tree.port_name(rocm_port, "resolve_distributed_backend")
+    _tree.port_name(rocm_port, "default_distributed_backend")  # the default of trees without megatron/training
     assert resolve("gloo") == "gloo"
     assert resolve("rccl", rank=1) == "nccl", "'rccl' must resolve to torch's 'nccl' backend (RCCL on ROCm)"
     hip = getattr(torch_module.version, "hip", None)
