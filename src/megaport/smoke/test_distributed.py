@@ -29,7 +29,7 @@ def launch_args(smoke, variant: str, torch_module=None):
     """(backend, device kind) of a variant, or a skip reason."""
     if variant == "gloo":
         return "gloo", "cpu"
-    name, _ = _tree.distributed_backend_default(smoke.tree)
+    name, _ = _tree.distributed_backend_default(smoke.tree, smoke.upstream)
     if torch_module is not None:
         count = torch_module.cuda.device_count()
         if count < RANKS:
@@ -40,7 +40,7 @@ def launch_args(smoke, variant: str, torch_module=None):
 
 @pytest.fixture(scope="module")
 def backend_choice(smoke, rocm_port, torch_module):
-    return _tree.distributed_backend_default(smoke.tree)
+    return _tree.distributed_backend_default(smoke.tree, smoke.upstream)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_row_parallel_linear_tp2_matches_unsharded(run):
     _check(run, "row_parallel_linear")
 
 
-@pytest.mark.in_tree("gradient_accumulation_fusion", "megatron/core/tensor_parallel/layers.py", "megatron/mpu/layers.py")  # 2022-02 on
+@pytest.mark.in_upstream("gradient_accumulation_fusion", *_tree.TP_LAYERS)  # 2022-02 on
 def test_gradient_accumulation_fusion_tp2(run):
     _check(run, "gradient_accumulation_fusion")
 

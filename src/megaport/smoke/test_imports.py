@@ -58,7 +58,7 @@ def _port_interface(text: str) -> list:
 
 def test_tree_code_is_what_runs(smoke, rocm_port):
     """megatron comes from the tree under test, not from an installed megatron-core."""
-    if (smoke.tree / "megatron" / "core").is_dir():
+    if smoke.era_has("megatron/core"):
         importlib.import_module("megatron.core")
     assert _tree.is_under(rocm_port, smoke.tree), (
         f"rocm_port was imported from {rocm_port.__file__}, not from the tree {smoke.tree}")
@@ -70,11 +70,11 @@ def test_tree_code_is_what_runs(smoke, rocm_port):
     assert "megaport.replacements.rocm_port" not in sys.modules, "megaport's own copy of the replacements was imported"
 
 
-def _entry_package(tree: Path) -> str | None:
+def _entry_package(smoke) -> str | None:
     """The package upstream's entry points import first: ``megatron.training`` (2024 on). Its
     modules and megatron.legacy.model import each other, so importing megatron.legacy.model first
     is a circular import in upstream itself, which no entry point ever does."""
-    return "megatron.training" if (tree / "megatron" / "training" / "__init__.py").is_file() else None
+    return "megatron.training" if smoke.era_has("megatron/training/__init__.py") else None
 
 
 def _removed_by_the_series(smoke, path: str) -> bool:
@@ -103,7 +103,7 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
         compile(source, path, "exec")
         return
     try:
-        first = _entry_package(smoke.tree)
+        first = _entry_package(smoke)
         if first and name != first:
             importlib.import_module(first)
         module = importlib.import_module(name)
@@ -169,8 +169,7 @@ def test_import_blocker_refuses(blocked, rocm_port):
 def test_apex_stays_out_of_a_full_megatron_core_import(smoke, rocm_port):
     """Importing the packages every era's training entry imports first (megatron.core from 2022-11;
     megatron, its models and its model-parallel package before) loads none of them."""
-    names = ["megatron.core"] if (smoke.tree / "megatron" / "core").is_dir() else ["megatron", "megatron.model",
-                                                                                   "megatron.mpu"]
+    names = ["megatron.core"] if smoke.era_has("megatron/core") else ["megatron", "megatron.model", "megatron.mpu"]
     for name in names:
         importlib.import_module(name)
     loaded = _tree.blocked_modules_loaded()

@@ -282,11 +282,11 @@ class _Recorded:
 
 
 # bf16 training arrived in 2021-02 (input_in_bf16); before, fp16 is the one fused dtype.
-_BF16_IN_TREE = pytest.mark.in_tree("input_in_bf16", *(n.replace(".", "/") + ".py" for n in _tree.FUSED_SOFTMAX_MODULES))
+_BF16_IN_ERA = pytest.mark.in_upstream("input_in_bf16", *(n.replace(".", "/") + ".py" for n in _tree.FUSED_SOFTMAX_MODULES))
 
 
 @pytest.mark.parametrize("kind", ["causal", "padding"])
-@pytest.mark.parametrize("dtype_id", ["fp16", pytest.param("bf16", marks=_BF16_IN_TREE)])
+@pytest.mark.parametrize("dtype_id", ["fp16", pytest.param("bf16", marks=_BF16_IN_ERA)])
 def test_fused_scale_mask_softmax_takes_the_fused_path(fused_softmax, smoke, device, monkeypatch, kind, dtype_id):
     """Training shapes (fp16/bf16, sk <= 2048, multiples of 4) go through the replacement: the
     module calls the tree's softmax function, whatever way its era decides (is_kernel_available
