@@ -68,12 +68,28 @@ def test_tree_resolves_the_backend(smoke, rocm_port, backend_choice, torch_modul
     smoke.facts["backend_default"] = {"value": name, "from": source, "torch_backend": resolve(name, rank=1)}
 
 
+def _rank_port(result, entry=None):
+    """What a rank reported of the tree's rocm_port (the backend's resolution) and of ``entry``: a
+    third-party package the machine lacks gives the same one line as every test that meets it in
+    process (_tree.missing_dependency); a rocm_port the rank could not import fails."""
+    port = result.get("rocm_port") or {"ok": False, "detail": "the rank reported nothing of rocm_port"}
+    for found in (port, entry or {}):
+        if found.get("missing_dependency"):
+            verdict, line = found["missing_dependency"]
+            if verdict == "fail":
+                pytest.fail(line, pytrace=False)
+            pytest.skip(line)
+    if not port.get("ok"):
+        pytest.fail(f"rank {result['rank']}: {port.get('detail')}", pytrace=False)
+
+
 def _check(run, name):
     variant, ranks = run
     for result in ranks:
         entry = result.get(name) or result.get("tensor_parallel", {}).get(name)
         if entry is None:
             pytest.fail(f"rank {result['rank']} reported nothing for {name}", pytrace=False)
+        _rank_port(result, entry)
         assert entry["ok"], (f"rank {result['rank']} ({result['backend']['initialised']}): {name}: {entry['detail']}"
                              + ("\n" + entry["traceback"] if "traceback" in entry else ""))
         assert not result.get("blocked_loaded"), f"rank {result['rank']} loaded {result['blocked_loaded']}"
@@ -102,6 +118,7 @@ def test_gradient_accumulation_fusion_tp2(run):
 
 def test_backend_used_matches_the_device(run, smoke):
     variant, ranks = run
+    _rank_port(ranks[0])
     used = ranks[0]["backend"]["initialised"]
     if variant == "gloo":
         assert used == "gloo"
