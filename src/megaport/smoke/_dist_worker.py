@@ -2,9 +2,13 @@
 
 Usage (test_distributed.py builds this): python -m torch.distributed.run --standalone
 --nproc-per-node 2 _dist_worker.py --tree DIR --out DIR --device cpu|cuda|hip --backend NAME
+--wgrad-fusion yes|no
 
-Writes OUT/rank<N>.json: the backend used and one entry per check, {"ok": bool, "detail": str}.
-Every check runs the tree's own code; nothing here stands in for it.
+Writes OUT/rank<N>.json: the backend used and one entry per check, {"ok": bool, "detail": str},
+with "missing_dependency": [verdict, line] where tree code needed a third-party package this
+machine lacks. Every check runs the tree's own code; nothing here stands in for it. What the era
+expects of gradient-accumulation fusion (--wgrad-fusion) is decided by the caller from the
+unported upstream commit, never from the tree's source.
 """
 
 from __future__ import annotations
@@ -22,6 +26,21 @@ def _blocked_loaded():
     return sorted(n for n in sys.modules if n.partition(".")[0] in ("apex", "amp_C") or n.partition(".")[0].endswith("_cuda"))
 
 
+_TREE: list = []  # the tree under test, for failure()
+
+
+def failure(exc: BaseException) -> dict:
+    """A check's entry for ``exc``; a third-party package the machine lacks carries the suite's
+    one line for it (megaport.smoke._tree.missing_dependency)."""
+    entry = {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    from megaport.smoke import _tree
+
+    judged = _tree.missing_dependency(exc, _TREE[0]) if _TREE else None
+    if judged is not None:
+        entry["missing_dependency"] = list(judged)
+    return entry
+
+
 def check(results, name):
     """Decorator: run one check, record ok/detail, or the exception."""
 
@@ -30,8 +49,7 @@ def check(results, name):
             out = fn()
             results[name] = out if isinstance(out, dict) else {"ok": True, "detail": str(out or "")}
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
-            results[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc()[-3000:]}
+            results[name] = failure(exc)
         return fn
 
     return wrap
@@ -47,8 +65,11 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", required=True, help="--distributed-backend value (resolved by the tree)")
+    parser.add_argument("--wgrad-fusion", choices=("yes", "no"), required=True,
+                        help="whether the era's tensor-parallel backward fuses the wgrad GEMM (from upstream)")
     args = parser.parse_args()
     tree = Path(args.tree)
+    _TREE.append(tree)
     if str(tree) not in sys.path:
         sys.path.insert(0, str(tree))
 
@@ -66,14 +87,23 @@ def main() -> int:
         from megaport.deepspeed import install_cpu_check_substitution
 
         install_cpu_check_substitution(tree, torch)
-    rocm_port = None
-    for name in ("megatron.core.rocm_port", "megatron.rocm_port"):
-        try:
-            rocm_port = __import__(name, fromlist=["_"])
-            break
-        except ModuleNotFoundError:
-            continue
-    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
+    # The tree's rocm_port resolves the backend: a tree without it, or without the resolver, is a
+    # broken port (reported under "rocm_port"; every test fails with it), never a run "as given".
+    from megaport.smoke import _tree
+
+    rocm_port, resolve = None, None
+    try:
+        rocm_port, why = _tree.import_first(_tree.ROCM_PORT_MODULES)
+        resolve = getattr(rocm_port, "resolve_distributed_backend", None)
+        if rocm_port is None:
+            results["rocm_port"] = {"ok": False, "detail": f"the tree has no rocm_port module ({why})"}
+        elif resolve is None:
+            results["rocm_port"] = {"ok": False, "detail": f"{rocm_port.__name__} has no resolve_distributed_backend: "
+                                                           "rocm_port.py is the same in every era, so the port is broken"}
+        else:
+            results["rocm_port"] = {"ok": True, "detail": rocm_port.__name__}
+    except Exception as exc:  # noqa: BLE001 - reported to the tests
+        results["rocm_port"] = failure(exc)
     backend = resolve(args.backend, rank=rank) if resolve else args.backend
     results["backend"] = {"requested": args.backend, "torch_backend": backend,
                           "resolved_by": "rocm_port.resolve_distributed_backend" if resolve else "none (as given)"}
@@ -117,9 +147,9 @@ def main() -> int:
         return {"ok": torch.equal(t.cpu(), want), "detail": "rank 0's tensor bit for bit"}
 
     try:
-        tp = _tensor_parallel(results, torch, dist, rank, world, device, tree)
+        tp = _tensor_parallel(results, torch, dist, rank, world, device, tree, args.wgrad_fusion == "yes")
     except Exception as exc:  # noqa: BLE001 - the layers could not even be built: each check fails with it
-        failed = {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        failed = failure(exc)
         tp = {name: failed for name in ("column_parallel_linear", "row_parallel_linear", "gradient_accumulation_fusion")}
     results["tensor_parallel"] = tp
     results["blocked_loaded"] = _blocked_loaded()
@@ -193,8 +223,10 @@ def _layer_settings(torch, world):
     return settings_for
 
 
-def _tensor_parallel(results, torch, dist, rank, world, device, tree):
-    """ColumnParallelLinear → RowParallelLinear at TP=world against the unsharded layers."""
+def _tensor_parallel(results, torch, dist, rank, world, device, tree, era_fuses_wgrad):
+    """ColumnParallelLinear → RowParallelLinear at TP=world against the unsharded layers; with
+    gradient-accumulation fusion on, the wgrad lands in main_grad where the era fuses it
+    (``era_fuses_wgrad``, from upstream), in weight.grad where the era never does."""
     status = {}
     parallel_state, layers = _parallel_modules()
     parallel_state.initialize_model_parallel(world)
@@ -270,16 +302,15 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree):
             ya, _unused = fused(xa)
             ya.backward(torch.ones_like(ya))
         want = 2 * torch.ones(3 * 5, shard, dtype=torch.float64).t() @ x.detach().double().cpu().reshape(-1, hidden)
-        from megaport.smoke._fork import fuses_wgrad
-
-        if not fuses_wgrad(layers):
-            # The DeepSpeed fork commented the fused path out at its 2023-07 merge: the flag does
-            # nothing there, and weight.grad takes the gradient as without it.
+        if not era_fuses_wgrad:
+            # The DeepSpeed fork commented the fused path out at its 2023-07 merge (upstream's own
+            # layers, not a patch): the flag does nothing there, and weight.grad takes the gradient
+            # as without it.
             err = max_err(fused.weight.grad, want)
             untouched = float(fused.weight.main_grad.abs().max()) == 0.0
             return {"ok": err <= 1e-4 and untouched,
-                    "detail": f"the tree's layers never fuse (fused path commented out): weight.grad error {err:.2g} "
-                              f"after 2 micro-batches; main_grad untouched: {untouched}"}
+                    "detail": f"the era's layers never fuse (upstream's fused path commented out): weight.grad error "
+                              f"{err:.2g} after 2 micro-batches; main_grad untouched: {untouched}"}
         err = max_err(fused.weight.main_grad, want)
         no_grad = fused.weight.grad is None
         return {"ok": err <= 1e-4 and no_grad,

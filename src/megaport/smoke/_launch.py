@@ -33,17 +33,33 @@ class Launch:
 _LAUNCHES: dict = {}
 
 
+def worker_command(smoke, backend: str, device_kind: str, out: Path) -> list[str]:
+    """The launcher's command line. Whether the era fuses the wgrad GEMM is decided here, from the
+    unported upstream commit (megaport.smoke._fork.era_fuses_wgrad), and handed to the ranks."""
+    from megaport.smoke._fork import era_fuses_wgrad
+
+    fuses, note = era_fuses_wgrad(smoke.upstream, smoke.tree)
+    if not fuses:
+        smoke.facts["era_wgrad_fusion"] = note or f"never fuses: {smoke.upstream.label}'s layers call no wgrad GEMM"
+    if note:
+        unverified = smoke.facts.setdefault("era_unverified", [])
+        if note not in unverified:
+            unverified.append(note)
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        f"--nproc-per-node={RANKS}", "--max-restarts=0", "--monitor-interval=0.2",
+        str(WORKER), "--tree", str(smoke.tree), "--out", str(out), "--device", device_kind, "--backend", backend,
+        "--wgrad-fusion", "yes" if fuses else "no",
+    ]
+
+
 def start(smoke, backend: str, device_kind: str) -> Launch:
     """torch.distributed.run --standalone (free ports chosen by the launcher) with the worker."""
     key = (backend, device_kind)
     if key in _LAUNCHES:
         return _LAUNCHES[key]
     out = Path(tempfile.mkdtemp(prefix="megaport-dist-"))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-        f"--nproc-per-node={RANKS}", "--max-restarts=0", "--monitor-interval=0.2",
-        str(WORKER), "--tree", str(smoke.tree), "--out", str(out), "--device", device_kind, "--backend", backend,
-    ]
+    command = worker_command(smoke, backend, device_kind, out)
     env = smoke.subprocess_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     log_path = out / "launch.log"

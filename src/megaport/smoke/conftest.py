@@ -37,6 +37,19 @@ class Smoke:
     stand_ins: Path
     results: Path | None
     facts: dict = field(default_factory=dict)
+    upstream: _tree.Upstream | None = None
+
+    def era_has(self, path: str) -> bool:
+        """Whether the tree's era has the file or directory ``path``: upstream's answer, the tree's
+        only where upstream cannot be read (that fallback is reported as ``era_unverified``)."""
+        found = self.upstream.has(path) if self.upstream is not None else None
+        if found is None:
+            found = (self.tree / path).exists()
+            note = f"{path} taken as absent from the era, from the ported tree"
+            unverified = self.facts.setdefault("era_unverified", [])
+            if not found and note not in unverified:
+                unverified.append(note)
+        return found
 
     @property
     def gpu(self) -> bool:
@@ -96,6 +109,7 @@ def pytest_configure(config):
         state=state,
         stand_ins=stand_ins,
         results=Path(results) if results else None,
+        upstream=_tree.Upstream(tree, state),
     )
     config.stash[_tree.SMOKE_KEY] = smoke
     if not smoke.gpu:
@@ -132,6 +146,8 @@ def pytest_unconfigure(config):
     smoke = config.stash.get(_tree.SMOKE_KEY, None)
     if smoke is not None:
         shutil.rmtree(smoke.stand_ins, ignore_errors=True)
+        if smoke.upstream is not None:
+            smoke.upstream.close()
 
 
 def pytest_report_header(config):
@@ -152,7 +168,17 @@ def _file_rank(item) -> int:
     return FILE_ORDER.index(name) if name in FILE_ORDER else len(FILE_ORDER)
 
 
+def _in_upstream(smoke, marker) -> bool | None:
+    """Whether the unported upstream commit has the marker's text in one of its paths; None when
+    that commit cannot be read."""
+    text, *paths = marker.args
+    if smoke.upstream is None or not smoke.upstream.available:
+        return None
+    return any(text in (smoke.upstream.read(path) or "") for path in paths)
+
+
 def _in_tree(smoke, marker) -> bool:
+    """The same question of the ported tree's files: only where upstream cannot be read."""
     text, *paths = marker.args
     for path in paths:
         try:
@@ -171,13 +197,41 @@ def _deselect(config, items, unwanted, fact: str) -> None:
         config.stash[_tree.SMOKE_KEY].facts[fact] = [item.nodeid for item in unwanted]
 
 
+def _era_lacks(smoke, items) -> tuple[list, list]:
+    """(items whose feature the era lacks, those of them decided from the ported tree).
+
+    The era is the unported upstream commit (state.json's upstream_sha, read from the tree's
+    git): a patch that dropped the feature from the ported file leaves the test in, and it fails.
+    Only where that commit cannot be read does the ported tree decide, and ``verify --strict``
+    counts each such deselection as a failure.
+    """
+    lacking, unverified = [], []
+    for item in items:
+        marker = item.get_closest_marker("in_upstream")
+        if marker is None:
+            continue
+        has = _in_upstream(smoke, marker)
+        if has is None:
+            if not _in_tree(smoke, marker):
+                lacking.append(item)
+                unverified.append(item)
+        elif not has:
+            lacking.append(item)
+    return lacking, unverified
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)  # stable: pytest's order within each file is kept
     smoke = config.stash[_tree.SMOKE_KEY]
     # A feature the era does not have (gradient-accumulation fusion before 2022-02, say) has
     # nothing to test: deselected and listed, never skipped, so a healthy tree skips nothing.
-    _deselect(config, items, [item for item in items if item.get_closest_marker("in_tree") is not None
-                              and not _in_tree(smoke, item.get_closest_marker("in_tree"))], "not_in_this_era")
+    lacking, unverified = _era_lacks(smoke, items)
+    _deselect(config, items, lacking, "not_in_this_era")
+    upstream = smoke.upstream
+    smoke.facts["era_from"] = upstream.label if upstream.available else f"the ported tree ({upstream.why})"
+    if unverified:
+        smoke.facts.setdefault("era_unverified", []).extend(
+            f"{item.nodeid} deselected, from the ported tree" for item in unverified)
     if smoke.gpu:
         return
     # Large cases kept off the CPU run to keep it fast are not run there at all (deselected and
@@ -214,7 +268,7 @@ def device(smoke, torch_module):
 
 @pytest.fixture(scope="session")
 def rocm_port(smoke):
-    module, reason = _tree.import_first_or_skip(_tree.ROCM_PORT_MODULES, "the tree")
+    module, reason = _tree.import_first_or_skip(_tree.ROCM_PORT_MODULES, "the tree", smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no rocm_port module ({reason}): the series did not apply")
     return module
@@ -222,9 +276,12 @@ def rocm_port(smoke):
 
 @pytest.fixture(scope="session")
 def fused_softmax(smoke, rocm_port):
-    module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree")
+    """The tree's fused_softmax module: every era has one (megatron/model/fused_softmax.py from
+    v2.0), and the port's softmax runs in it, so a tree without one fails like one without rocm_port."""
+    module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree", smoke.tree)
     if module is None:
-        pytest.skip(f"no fused_softmax module in this tree ({reason})")
+        pytest.fail(f"the tree has no fused_softmax module ({reason}): the port's softmax has nowhere to run",
+                    pytrace=False)
     return module
 
 
@@ -240,14 +297,14 @@ def process_group(smoke, torch_module, rocm_port):
     import torch.distributed as dist
 
     # megatron.core.parallel_state from 2022-11; megatron.mpu, with the same functions, before.
-    module, reason = _tree.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree")
+    module, reason = _tree.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree",
+                                                smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no model-parallel state module ({reason})", pytrace=False)
     parallel_state = module
-    name, source = _tree.distributed_backend_default(smoke.tree)
+    name, source = _tree.distributed_backend_default(smoke.tree, smoke.upstream)
     chosen = name if smoke.gpu else "gloo"
-    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
-    backend = resolve(chosen) if resolve else chosen
+    backend = _tree.port_name(rocm_port, "resolve_distributed_backend")(chosen)
     smoke.facts["process_group"] = {"tree_default": name, "default_from": source, "chosen": chosen, "torch_backend": backend}
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -283,7 +340,18 @@ def process_group(smoke, torch_module, rocm_port):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     before = set(_tree.blocked_modules_loaded())
-    result = yield
+    try:
+        result = yield
+    except ModuleNotFoundError as exc:
+        # Tree code that needs a third-party package this machine lacks, met anywhere in a test:
+        # the same one line as every other test that meets it (_tree.missing_dependency).
+        judged = _tree.missing_dependency(exc, item.config.stash[_tree.SMOKE_KEY].tree)
+        if judged is None:
+            raise
+        verdict, line = judged
+        if verdict == "fail":
+            pytest.fail(line, pytrace=False)
+        pytest.skip(line)
     loaded = sorted(set(_tree.blocked_modules_loaded()) - before)
     if loaded:
         pytest.fail(f"import guard: {', '.join(loaded)} got loaded during this test; "

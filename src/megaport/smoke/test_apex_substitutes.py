@@ -1,9 +1,10 @@
 """The apex substitutes the tree uses, against plain PyTorch references, on the verify device.
 
-What each era exposes differs, so every test finds its subject in the tree (rocm_port's
-FusedAdam/FusedSGD/amp_C/multi_tensor_applier/FusedLayerNormAffineFunction/
-fused_weight_gradient_mlp_cuda, megatron.core.optimizer's fallbacks, the FusedLayerNorm module)
-and skips with the reason when the tree has no such thing.
+Every test finds its subject in the tree: rocm_port's FusedAdam/FusedSGD/amp_C/
+multi_tensor_applier/FusedLayerNormAffineFunction/fused_weight_gradient_mlp_cuda (rocm_port.py is
+the same in every era, so a name missing there fails), and upstream's own modules as each era has
+them (megatron.core.optimizer's fallbacks, the FusedLayerNorm module): one the tree lacks fails
+when the unported upstream commit has it, and skips, with upstream's word, when the era has none.
 """
 
 from __future__ import annotations
@@ -19,19 +20,9 @@ from megaport.train import harness
 torch = pytest.importorskip("torch")
 
 
-def need(module, name, what=None):
-    value = getattr(module, name, None)
-    if value is None:
-        pytest.skip(f"{module.__name__} has no {name}{' (' + what + ')' if what else ''} in this era")
-    return value
-
-
-def tree_module(*names):
-    """The first of ``names`` the tree has (eras before 2024 keep the optimizer in megatron/optimizer)."""
-    module, reason = _tree.import_first_or_skip(names, names[0])
-    if module is None:
-        pytest.skip(reason)
-    return module
+port_name = _tree.port_name  # rocm_port's names: missing is a broken port
+era_name = _tree.era_name  # upstream's names: missing fails where upstream has it
+era_module = _tree.era_module  # upstream's modules: the same
 
 
 def params_and_grads(device, dtype=torch.float32, seed=0):
@@ -64,7 +55,7 @@ def assert_same_params(got, want, what, atol=1e-6):
 
 
 def test_rocm_port_fused_adam_is_adamw(rocm_port, device):
-    fused_adam = need(rocm_port, "FusedAdam", "apex.optimizers.FusedAdam stand-in")
+    fused_adam = port_name(rocm_port, "FusedAdam")
     params, grads = params_and_grads(device)
     kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     # apex-only arguments that upstream passes must be accepted
@@ -74,7 +65,7 @@ def test_rocm_port_fused_adam_is_adamw(rocm_port, device):
 
 
 def test_rocm_port_fused_sgd_is_sgd(rocm_port, device):
-    fused_sgd = need(rocm_port, "FusedSGD", "apex.optimizers.FusedSGD stand-in")
+    fused_sgd = port_name(rocm_port, "FusedSGD")
     params, grads = params_and_grads(device, seed=1)
     kwargs = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
     got = run_steps(fused_sgd, params, grads, wd_after_momentum=False, **kwargs)
@@ -84,8 +75,8 @@ def test_rocm_port_fused_sgd_is_sgd(rocm_port, device):
 
 def test_megatron_core_optimizer_fallback_matches_adamw(smoke, device):
     """megatron.core.optimizer's Adam (TE → apex → torch fallback) is apex-free and steps like AdamW."""
-    module = tree_module("megatron.core.optimizer", "megatron.optimizer")
-    adam = need(module, "Adam")
+    module = era_module(smoke, "megatron.core.optimizer", "megatron.optimizer")
+    adam = era_name(smoke, module, "Adam")
     origin = getattr(adam, "__module__", "") or ""
     assert not origin.startswith("apex"), f"megatron.core.optimizer.Adam is apex's ({origin})"
     params, grads = params_and_grads(device, seed=2)
@@ -103,16 +94,16 @@ def test_megatron_core_optimizer_fallback_matches_adamw(smoke, device):
 IMPLEMENTATIONS = ["rocm_port.amp_C", "clip_grads"]
 
 
-def multi_tensor_helpers(which, rocm_port):
+def multi_tensor_helpers(smoke, which, rocm_port):
     """(applier, l2norm, scale) of rocm_port's amp_C stand-in or of what clip_grads bound."""
     if which == "rocm_port.amp_C":
-        amp_c = need(rocm_port, "amp_C", "apex amp_C stand-in")
-        return need(rocm_port, "multi_tensor_applier"), amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
-    clip = tree_module("megatron.core.optimizer.clip_grads", "megatron.optimizer.clip_grads")
-    applier = need(clip, "multi_tensor_applier")
+        amp_c = port_name(rocm_port, "amp_C")
+        return port_name(rocm_port, "multi_tensor_applier"), amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
+    clip = era_module(smoke, "megatron.core.optimizer.clip_grads", "megatron.optimizer.clip_grads")
+    applier = era_name(smoke, clip, "multi_tensor_applier")
     if hasattr(clip, "l2_norm_impl"):  # core >= 0.8: TE → apex → megatron.core.utils fallbacks
-        return applier, clip.l2_norm_impl, need(clip, "multi_tensor_scale_impl")
-    amp_c = need(clip, "amp_C", "nor l2_norm_impl")  # older eras bind amp_C itself
+        return applier, clip.l2_norm_impl, era_name(smoke, clip, "multi_tensor_scale_impl")
+    amp_c = era_name(smoke, clip, "amp_C", "l2_norm_impl")  # older eras bind amp_C itself
     return applier, amp_c.multi_tensor_l2norm, amp_c.multi_tensor_scale
 
 
@@ -135,7 +126,7 @@ def call_or_skip_cuda_only(smoke, fn, *args, **kwargs):
 
 @pytest.mark.parametrize("which", IMPLEMENTATIONS)
 def test_grad_norm_helper_matches_torch(smoke, rocm_port, device, which):
-    applier, l2norm, _ = multi_tensor_helpers(which, rocm_port)
+    applier, l2norm, _ = multi_tensor_helpers(smoke, which, rocm_port)
     label = f"{which} ({getattr(l2norm, '__module__', '?')}.{getattr(l2norm, '__name__', '?')})"
     origin = getattr(l2norm, "__module__", "") or ""
     assert not _tree.is_blocked(origin), f"{label} comes from {origin}"
@@ -154,7 +145,7 @@ def test_grad_norm_helper_matches_torch(smoke, rocm_port, device, which):
 
 @pytest.mark.parametrize("which", IMPLEMENTATIONS)
 def test_grad_scale_helper_matches_torch(smoke, rocm_port, device, which):
-    applier, _, scale_op = multi_tensor_helpers(which, rocm_port)
+    applier, _, scale_op = multi_tensor_helpers(smoke, which, rocm_port)
     gen = torch.Generator().manual_seed(4)
     src = [torch.randn(s, generator=gen).to(device) for s in ((9, 4), (31,))]
     want = [t * 0.25 for t in src]
@@ -181,8 +172,8 @@ def test_grad_scale_helper_matches_torch(smoke, rocm_port, device, which):
 def test_optimizer_copies_main_params_to_model_params(smoke, device):
     """Float16OptimizerWithFloat16Params copies fp32 main params into fp16 model params through
     _multi_tensor_copy_this_to_that with an overflow buffer: the grad-scale kernel, with two lists."""
-    module = tree_module("megatron.core.optimizer.optimizer", "megatron.optimizer.optimizer")
-    copy = need(module, "_multi_tensor_copy_this_to_that")
+    module = era_module(smoke, "megatron.core.optimizer.optimizer", "megatron.optimizer.optimizer")
+    copy = era_name(smoke, module, "_multi_tensor_copy_this_to_that")
     gen = torch.Generator().manual_seed(10)
     this = [torch.randn(s, generator=gen).to(device) for s in ((6, 5), (11,))]
     that = [torch.zeros(t.shape, dtype=torch.float16, device=device) for t in this]
@@ -198,7 +189,7 @@ def test_optimizer_copies_main_params_to_model_params(smoke, device):
 
 def test_megatron_grad_norm_fp32(smoke, device, process_group):
     """clip_grads.get_grad_norm_fp32 (upstream's own, through the fallbacks) against torch."""
-    clip = tree_module("megatron.core.optimizer.clip_grads", "megatron.optimizer.clip_grads")
+    clip = era_module(smoke, "megatron.core.optimizer.clip_grads", "megatron.optimizer.clip_grads")
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(s, generator=gen).to(device) for s in ((10, 3), (7,))]
     want = torch.stack([g.double().norm() for g in grads]).norm().item()
@@ -206,11 +197,11 @@ def test_megatron_grad_norm_fp32(smoke, device, process_group):
         got = float(call_or_skip_cuda_only(smoke, clip.get_grad_norm_fp32, grads, 2))
         assert abs(got - want) <= 1e-5 * want, f"get_grad_norm_fp32 {got} vs torch {want}"
         return
-    fn = need(clip, "clip_grad_norm_fp32", "nor get_grad_norm_fp32")
+    fn = era_name(smoke, clip, "clip_grad_norm_fp32", "get_grad_norm_fp32")
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     # Upstream's get_model marks every parameter's tensor-parallel attributes; v2.0 reads them unguarded.
-    layers = tree_module("megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
-    mark = need(layers, "set_defaults_if_not_set_tensor_model_parallel_attributes")
+    layers = era_module(smoke, "megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
+    mark = era_name(smoke, layers, "set_defaults_if_not_set_tensor_model_parallel_attributes")
     for p, g in zip(params, grads):
         mark(p)
         p.grad = g.clone()
@@ -237,7 +228,7 @@ def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtyp
     module, _ = _tree.import_first(("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
                                     "megatron.legacy.model.fused_layer_norm"))
     fn = getattr(module, "FusedLayerNormAffineFunction", None) if module else None
-    fn = fn or need(rocm_port, "FusedLayerNormAffineFunction")
+    fn = fn or port_name(rocm_port, "FusedLayerNormAffineFunction")
     if module is not None and getattr(module, "fused_mix_prec_layer_norm_cuda", False) is None:
         # 2021-2023 trees bind the layer-norm extension (the port's stand-in) into a module global
         # when the first MixedFusedLayerNorm is built; the function is only ever called after that.
@@ -264,16 +255,16 @@ LAYER_NORM_MODULES = ("megatron.core.fusions.fused_layer_norm", "megatron.model.
                       "megatron.legacy.model.fused_layer_norm")
 
 
-def _layer_norm_module(module, device):
+def _layer_norm_module(smoke, module, device):
     """The era's fused layer-norm module, 32 wide, built the way its constructor takes it: a
     TransformerConfig from core 0.4 on, keyword arguments before (MixedFusedLayerNorm until
     2023, FusedLayerNorm of megatron/core/fusions in 2023)."""
-    cls = getattr(module, "FusedLayerNorm", None) or need(module, "MixedFusedLayerNorm", "nor FusedLayerNorm")
+    cls = era_name(smoke, module, "FusedLayerNorm", "MixedFusedLayerNorm")
     accepts = inspect.signature(cls.__init__).parameters
     kwargs = {"eps": 1e-5}
     kwargs["hidden_size" if "hidden_size" in accepts else "normalized_shape"] = 32
     if "config" in accepts:
-        tc = tree_module("megatron.core.transformer.transformer_config")
+        tc = era_module(smoke, "megatron.core.transformer.transformer_config")
         kwargs["config"] = tc.TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                                                 use_cpu_initialization=True)
     try:
@@ -288,11 +279,12 @@ def test_fused_layer_norm_module_matches_torch(smoke, device):
     from megaport.smoke._fork import set_default_args
 
     set_default_args(smoke.tree)  # the DeepSpeed fork's layer norms read Megatron's global args
-    names = [n for n in LAYER_NORM_MODULES if (smoke.tree / (n.replace(".", "/") + ".py")).is_file()]
+    # Which of them the era has is upstream's answer: one the port lost fails in era_module.
+    names = [n for n in LAYER_NORM_MODULES if smoke.era_has(_tree.module_path(n)[0])]
     if not names:
-        pytest.fail(f"the tree has none of {', '.join(LAYER_NORM_MODULES)}", pytrace=False)
+        pytest.fail(f"the era has none of {', '.join(LAYER_NORM_MODULES)}", pytrace=False)
     for name in names:
-        layer = _layer_norm_module(tree_module(name), device)
+        layer = _layer_norm_module(smoke, era_module(smoke, name), device)
         with torch.no_grad():
             layer.weight.uniform_(0.5, 1.5)
             layer.bias.uniform_(-0.1, 0.1)
@@ -309,7 +301,7 @@ def test_fused_layer_norm_module_matches_torch(smoke, device):
 
 def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
     """Old eras call apex's fused_mix_prec_layer_norm_cuda.forward_affine/backward_affine directly."""
-    ext = need(rocm_port, "fused_mix_prec_layer_norm_cuda")
+    ext = port_name(rocm_port, "fused_mix_prec_layer_norm_cuda")
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(6, 16, generator=gen, dtype=torch.float64).to(device)
     w = torch.randn(16, generator=gen, dtype=torch.float64).to(device)
@@ -330,17 +322,14 @@ def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
 # ---------------------------------------------------------------------------------------------
 
 
-TP_LAYERS = ("megatron/core/tensor_parallel/layers.py", "megatron/mpu/layers.py")
-
-
-@pytest.mark.in_tree("gradient_accumulation_fusion", *TP_LAYERS)  # 2022-02 on
+@pytest.mark.in_upstream("gradient_accumulation_fusion", *_tree.TP_LAYERS)  # 2022-02 on
 @pytest.mark.parametrize("main_grad_dtype", ["fp32", "bf16"])
 def test_weight_gradient_accumulation_matches_matmul(smoke, rocm_port, device, main_grad_dtype):
     """The wgrad_gemm_accum functions tensor_parallel/layers.py calls: main_grad += g^T x."""
-    layers = tree_module("megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
+    layers = era_module(smoke, "megatron.core.tensor_parallel.layers", "megatron.mpu.layers")
     ext = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
     if ext is None and "rocm_port import fused_weight_gradient_mlp_cuda" in inspect.getsource(layers):
-        ext = rocm_port.fused_weight_gradient_mlp_cuda  # 2022's layers import it inside backward
+        ext = port_name(rocm_port, "fused_weight_gradient_mlp_cuda")  # 2022's layers import it inside backward
     if ext is None or not getattr(layers, "_grad_accum_fusion_available", True):
         pytest.fail("tensor_parallel.layers has no gradient-accumulation fusion: "
                     "the default --gradient-accumulation-fusion would raise", pytrace=False)

@@ -29,7 +29,7 @@ def launch_args(smoke, variant: str, torch_module=None):
     """(backend, device kind) of a variant, or a skip reason."""
     if variant == "gloo":
         return "gloo", "cpu"
-    name, _ = _tree.distributed_backend_default(smoke.tree)
+    name, _ = _tree.distributed_backend_default(smoke.tree, smoke.upstream)
     if torch_module is not None:
         count = torch_module.cuda.device_count()
         if count < RANKS:
@@ -40,7 +40,7 @@ def launch_args(smoke, variant: str, torch_module=None):
 
 @pytest.fixture(scope="module")
 def backend_choice(smoke, rocm_port, torch_module):
-    return _tree.distributed_backend_default(smoke.tree)
+    return _tree.distributed_backend_default(smoke.tree, smoke.upstream)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,8 @@ def run(request, smoke, torch_module):
 def test_tree_resolves_the_backend(smoke, rocm_port, backend_choice, torch_module):
     """The tree's default and resolution: 'rccl' → torch 'nccl' (RCCL) on ROCm, 'nccl' on CUDA."""
     name, source = backend_choice
-    resolve = getattr(rocm_port, "resolve_distributed_backend", None)
-    if resolve is None:
-        pytest.fail("rocm_port has no resolve_distributed_backend: the RCCL patch is missing", pytrace=False)
+    resolve = _tree.port_name(rocm_port, "resolve_distributed_backend")
+    _tree.port_name(rocm_port, "default_distributed_backend")  # the default of trees without megatron/training
     assert resolve("gloo") == "gloo"
     assert resolve("rccl", rank=1) == "nccl", "'rccl' must resolve to torch's 'nccl' backend (RCCL on ROCm)"
     hip = getattr(torch_module.version, "hip", None)
@@ -69,12 +68,28 @@ def test_tree_resolves_the_backend(smoke, rocm_port, backend_choice, torch_modul
     smoke.facts["backend_default"] = {"value": name, "from": source, "torch_backend": resolve(name, rank=1)}
 
 
+def _rank_port(result, entry=None):
+    """What a rank reported of the tree's rocm_port (the backend's resolution) and of ``entry``: a
+    third-party package the machine lacks gives the same one line as every test that meets it in
+    process (_tree.missing_dependency); a rocm_port the rank could not import fails."""
+    port = result.get("rocm_port") or {"ok": False, "detail": "the rank reported nothing of rocm_port"}
+    for found in (port, entry or {}):
+        if found.get("missing_dependency"):
+            verdict, line = found["missing_dependency"]
+            if verdict == "fail":
+                pytest.fail(line, pytrace=False)
+            pytest.skip(line)
+    if not port.get("ok"):
+        pytest.fail(f"rank {result['rank']}: {port.get('detail')}", pytrace=False)
+
+
 def _check(run, name):
     variant, ranks = run
     for result in ranks:
         entry = result.get(name) or result.get("tensor_parallel", {}).get(name)
         if entry is None:
             pytest.fail(f"rank {result['rank']} reported nothing for {name}", pytrace=False)
+        _rank_port(result, entry)
         assert entry["ok"], (f"rank {result['rank']} ({result['backend']['initialised']}): {name}: {entry['detail']}"
                              + ("\n" + entry["traceback"] if "traceback" in entry else ""))
         assert not result.get("blocked_loaded"), f"rank {result['rank']} loaded {result['blocked_loaded']}"
@@ -96,13 +111,14 @@ def test_row_parallel_linear_tp2_matches_unsharded(run):
     _check(run, "row_parallel_linear")
 
 
-@pytest.mark.in_tree("gradient_accumulation_fusion", "megatron/core/tensor_parallel/layers.py", "megatron/mpu/layers.py")  # 2022-02 on
+@pytest.mark.in_upstream("gradient_accumulation_fusion", *_tree.TP_LAYERS)  # 2022-02 on
 def test_gradient_accumulation_fusion_tp2(run):
     _check(run, "gradient_accumulation_fusion")
 
 
 def test_backend_used_matches_the_device(run, smoke):
     variant, ranks = run
+    _rank_port(ranks[0])
     used = ranks[0]["backend"]["initialised"]
     if variant == "gloo":
         assert used == "gloo"

@@ -18,33 +18,47 @@ from megaport.smoke import _tree
 
 
 def _touched(config) -> list:
+    """One parameter per .py file the series touched: its module name, or the path itself when it
+    is no importable name (then it must compile)."""
     smoke = config.stash[_tree.SMOKE_KEY]
     params = []
     for path in smoke.state.get("files", []):
         if not path.endswith(".py"):
             continue
-        name = _tree.module_name(path)
-        marks = []
-        if name is None:
-            marks.append(pytest.mark.skip(reason=f"{path} is not an importable module name"))
-            name = path
-        elif not (smoke.tree / path).is_file():
-            marks.append(pytest.mark.skip(reason=f"{path} was removed by the series"))
-        params.append(pytest.param(name, marks=marks, id=name))
+        name = _tree.module_name(path) or path
+        params.append(pytest.param(name, id=name))
     return params
 
 
 def pytest_generate_tests(metafunc):
     if "touched_module" in metafunc.fixturenames:
-        params = _touched(metafunc.config)
-        if not params:
-            params = [pytest.param(None, marks=pytest.mark.skip(reason="state.json lists no .py files"), id="none")]
-        metafunc.parametrize("touched_module", params)
+        # Every series adds rocm_port.py: a state that lists no .py file fails its one case.
+        metafunc.parametrize("touched_module", _touched(metafunc.config) or [pytest.param(None, id="none")])
+
+
+def test_rocm_port_has_every_name_of_the_port(smoke, rocm_port):
+    """rocm_port.py is rendered the same for every era but two constants: every name of the port's
+    interface (``__all__`` of megaport's source, read as text, never imported) is in the tree's."""
+    source = Path(_tree.__file__).resolve().parents[1] / "replacements" / "rocm_port.py"
+    names = _port_interface(source.read_text(encoding="utf-8"))
+    assert names, f"no __all__ in {source}"
+    missing = [name for name in names if not hasattr(rocm_port, name)]
+    assert not missing, (f"the tree's {Path(rocm_port.__file__).relative_to(smoke.tree)} lacks {', '.join(missing)} "
+                         "of the port's interface: the port is broken")
+
+
+def _port_interface(text: str) -> list:
+    import ast
+
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [ast.literal_eval(element) for element in node.value.elts]
+    return []
 
 
 def test_tree_code_is_what_runs(smoke, rocm_port):
     """megatron comes from the tree under test, not from an installed megatron-core."""
-    if (smoke.tree / "megatron" / "core").is_dir():
+    if smoke.era_has("megatron/core"):
         importlib.import_module("megatron.core")
     assert _tree.is_under(rocm_port, smoke.tree), (
         f"rocm_port was imported from {rocm_port.__file__}, not from the tree {smoke.tree}")
@@ -56,17 +70,40 @@ def test_tree_code_is_what_runs(smoke, rocm_port):
     assert "megaport.replacements.rocm_port" not in sys.modules, "megaport's own copy of the replacements was imported"
 
 
-def _entry_package(tree: Path) -> str | None:
+def _entry_package(smoke) -> str | None:
     """The package upstream's entry points import first: ``megatron.training`` (2024 on). Its
     modules and megatron.legacy.model import each other, so importing megatron.legacy.model first
     is a circular import in upstream itself, which no entry point ever does."""
-    return "megatron.training" if (tree / "megatron" / "training" / "__init__.py").is_file() else None
+    return "megatron.training" if smoke.era_has("megatron/training/__init__.py") else None
+
+
+def _removed_by_the_series(smoke, path: str) -> bool:
+    """Whether ``path``, missing from the work tree, is missing from the ported commit too (the
+    series removed it) rather than lost from the work tree since."""
+    from megaport.git import run_git
+
+    head = smoke.state.get("head") or "HEAD"
+    proc = run_git(["cat-file", "-e", f"{head}:{path}"], smoke.tree, check=False)
+    return proc.returncode != 0
 
 
 def test_touched_module_imports_without_apex(touched_module, smoke, torch_module):
     name = touched_module
+    if name is None:
+        pytest.fail("state.json lists no .py file the series touched: every series adds rocm_port.py", pytrace=False)
+    path = next(p for p in smoke.state["files"] if (_tree.module_name(p) or p) == name)
+    if not (smoke.tree / path).is_file():
+        # Nothing to import where the series removed it; a file the tree lost since fails.
+        if not _removed_by_the_series(smoke, path):
+            pytest.fail(f"{path}, which the series touched, is missing from the tree (git status)", pytrace=False)
+        return
+    if _tree.module_name(path) is None:
+        # No importable name (a dash, say): it must at least compile.
+        source = (smoke.tree / path).read_text(encoding="utf-8", errors="replace")
+        compile(source, path, "exec")
+        return
     try:
-        first = _entry_package(smoke.tree)
+        first = _entry_package(smoke)
         if first and name != first:
             importlib.import_module(first)
         module = importlib.import_module(name)
@@ -78,10 +115,10 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
                         f"(apex/amp_C/*_cuda are not allowed): {where or exc}", pytrace=False)
         if missing.partition(".")[0] == "megatron":
             pytest.fail(f"importing {name} fails inside the tree: {exc} ({where})", pytrace=False)
-        verdict, why = _tree.missing_import_verdict(missing)
+        verdict, line = _tree.missing_dependency(exc, smoke.tree)
         if verdict == "fail":
-            pytest.fail(f"importing {name} {why} ({where or exc})", pytrace=False)
-        pytest.skip(f"{why} ({where or exc})")
+            pytest.fail(f"importing {name} {line}", pytrace=False)
+        pytest.skip(line)
     except ImportError as exc:
         culprit = exc.name or ""
         where = _tree.tree_frame(exc, smoke.tree)
@@ -132,8 +169,7 @@ def test_import_blocker_refuses(blocked, rocm_port):
 def test_apex_stays_out_of_a_full_megatron_core_import(smoke, rocm_port):
     """Importing the packages every era's training entry imports first (megatron.core from 2022-11;
     megatron, its models and its model-parallel package before) loads none of them."""
-    names = ["megatron.core"] if (smoke.tree / "megatron" / "core").is_dir() else ["megatron", "megatron.model",
-                                                                                   "megatron.mpu"]
+    names = ["megatron.core"] if smoke.era_has("megatron/core") else ["megatron", "megatron.model", "megatron.mpu"]
     for name in names:
         importlib.import_module(name)
     loaded = _tree.blocked_modules_loaded()
