@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from megaport.catalogue import CATALOGUE_FILE, LIST_FILE, Catalogue, PatchFile, Series
 from megaport.engine import make_file_diff
+from megaport.engine.diff import with_function_names
 from megaport.errors import MegaportError
 
 from .check import LoadedPatch, LoadedSeries, check_series, loaded_patch
@@ -115,29 +116,6 @@ def _regenerate(item: LoadedPatch, drift: PatchDrift, original: bytes) -> Export
     data = (head + "".join(sections) + tail).encode("utf-8", "surrogateescape")
     words = sorted({h.label for h in drift.hunks if h.status != CLEAN})
     return ExportedPatch(item.file.name, REGENERATED, data, f"{', '.join(changed)} ({'; '.join(words)})")
-
-
-_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@$", re.MULTILINE)
-_FUNCNAME_LIMIT = 80
-
-
-def with_function_names(diff: str, old: Optional[bytes]) -> str:
-    """Add the text git puts after ``@@ ... @@`` (the nearest line above the hunk that starts
-    with a letter, ``_`` or ``$``, at most 80 bytes), so regenerated hunks read like git's."""
-    if old is None:
-        return diff
-    lines = old.decode("utf-8", "surrogateescape").split("\n")
-
-    def name(match: re.Match) -> str:
-        start = int(match.group(1)) - (0 if match.group(2) == "0" else 1)
-        for index in range(min(start, len(lines)) - 1, -1, -1):
-            line = lines[index]
-            if line[:1].isalpha() or line[:1] in ("_", "$"):
-                text = line.encode("utf-8", "surrogateescape")[:_FUNCNAME_LIMIT].decode("utf-8", "ignore").rstrip()
-                return f"{match.group(0)} {text}"
-        return match.group(0)
-
-    return _HUNK_HEADER.sub(name, diff)
 
 
 def _hunks_end(lines: list[str], item: LoadedPatch, number: int) -> int:
