@@ -52,7 +52,7 @@ def test_a_series_takes_its_variants_fields_and_shared_patches(tmp_path):
     (lambda r: (r / "demo" / "series").write_text("../other/0002-x.patch\n"),
      "list entry '../other/0002-x.patch' must be a file in"),
     (lambda r: edit(r, 'port = "old"\n', 'port = "old"\nfully_masked_rows = "zero"\n'),
-     "series 'demo': fully_masked_rows come(s) from its port 'old'; remove them from the entry"),
+     "series 'demo': its port 'old' sets fully_masked_rows; remove that from the entry"),
     (lambda r: edit(r, 'port = "old"\n', 'port = "new"\n'),
      "series 'demo': port 'new' is not a [[port]] (known: old)"),
     (lambda r: edit(r, 'name = "old"', 'name = "base"'),

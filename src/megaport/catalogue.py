@@ -110,7 +110,7 @@ class Series:
     patches: tuple[PatchFile, ...] = field(default=())
     # GitHub "owner/name" whose history the tested refs belong to (a fork's series name the fork).
     repository: str = UPSTREAM_REPOSITORY
-    # The port variant ([[port]]) whose shared patch creates the replacement module; None for a
+    # The port variant ([[port]]) whose shared patches create the replacement module; None for a
     # series that carries the module in a patch of its own.
     port: str | None = None
 
@@ -301,7 +301,7 @@ def _port_of(path: Path, name: str, entry: dict, ports: tuple[PortVariant, ...])
     doubled = [key for key in PORT_KEYS if key in entry]
     if doubled:
         raise MegaportError(
-            f"{path}: series '{name}': {', '.join(doubled)} come(s) from its port '{wanted}'; remove them from the entry",
+            f"{path}: series '{name}': its port '{wanted}' sets {', '.join(doubled)}; remove that from the entry",
             exit_code=2,
         )
     return port
@@ -331,7 +331,7 @@ def list_entries(listing: Path) -> list[tuple[int, str]]:
 
 
 def port_entry(entry: str) -> tuple[str, str] | None:
-    """(variant, file name) for a list entry ``../port/<variant>/<file>``, else None."""
+    """(folder, file name) for a list entry ``../port/<folder>/<file>``, else None."""
     parts = entry.split("/")
     if len(parts) == 4 and parts[:2] == ["..", PORT_DIR] and all(_plain(p) for p in parts[2:]):
         return parts[2], parts[3]
@@ -343,8 +343,8 @@ def _plain(part: str) -> bool:
 
 
 def _patch_files(folder: Path, name: str, ports: tuple[PortVariant, ...] = ()) -> tuple[PatchFile, ...]:
-    """The ordered patches named by the series list file: files in the folder, or a [[port]]
-    shared port patch (``../port/<folder>/<file>``); every one must exist."""
+    """The ordered patches named by the series list file: files in the folder, or shared port
+    patches (``../port/<folder>/<file>``, the folder 'base' or a [[port]]); every one must exist."""
     listing = folder / LIST_FILE
     if not listing.is_file():
         raise MegaportError(f"series '{name}': missing list file {listing}", exit_code=2)
