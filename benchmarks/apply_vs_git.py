@@ -66,7 +66,8 @@ class Bench:
         run([*self.megaport, "--dry-run", "--json", str(report_file)], env=self.megaport_env)
         report = json.loads(report_file.read_text())
         self.series = load_catalogue().get(report["series"])
-        self.patches = [str(self.series.directory / p["name"]) for p in report["patches"] if p["status"] == "applied"]
+        paths = {p.name: p.path for p in self.series.patches}  # shared port patches live in port/
+        self.patches = [str(paths[p["name"]]) for p in report["patches"] if p["status"] == "applied"]
         self.cache = str(Store().resolve(repo, ref).repo)
         self.sha = report["sha"]
         self.env = {**os.environ, **IDENTITY}

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support.catalogues import write_catalogue
+from support.catalogues import copy_shipped, write_catalogue
 
-from megaport.catalogue import load_catalogue
 from megaport.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 PATCH = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
 From: megaport <megaport@localhost>
@@ -63,11 +59,7 @@ def test_a_good_catalogue_is_clean(tmp_path):
 
 def test_the_shipped_series_are_clean(tmp_path):
     """Only the series catalogue.toml names (other people's series folders may be in progress)."""
-    target = tmp_path / "patches"
-    target.mkdir()
-    shutil.copy2(ROOT / "patches" / "catalogue.toml", target)
-    for series in load_catalogue(ROOT / "patches").series:
-        shutil.copytree(series.directory, target / series.name)
+    target = copy_shipped(tmp_path / "patches")
     result = lint("--patches", str(target))
     assert result.exit_code == 0, result.output
 

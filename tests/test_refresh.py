@@ -6,12 +6,12 @@ series, the PyPI-built upstream (core_v0.13.0 … core_v0.16.1).
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.catalogues import copy_shipped
 from support.gitrepos import commit, git
 from test_drift import PATCHES, drift_json, hunks_of
 from test_drift import catalogue, upstream  # noqa: F401  (the same fixtures: one drifting upstream)
@@ -26,7 +26,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def refresh(*args: str):
@@ -174,13 +173,7 @@ def test_refresh_usage_errors_exit_3(upstream, catalogue, args):
 
 
 def shipped_copy(tmp_path: Path) -> Path:
-    """The shipped catalogue's series (those catalogue.toml names) in a temporary folder."""
-    target = tmp_path / "patches"
-    target.mkdir()
-    shutil.copy2(ROOT / "patches" / "catalogue.toml", target / "catalogue.toml")
-    for series in load_catalogue(ROOT / "patches").series:
-        shutil.copytree(series.directory, target / series.name)
-    return target
+    return copy_shipped(tmp_path / "patches")
 
 
 @pytest.mark.upstream
@@ -204,6 +197,12 @@ def test_shipped_series_refresh_on_a_later_release_is_clean_there(core_upstream,
     assert text.startswith(original)
     entry = next(e for e in tomllib.loads(text.decode())["series"] if e["name"] == "core-0.16")
     assert entry["tested"] == [{"ref": "core_v0.16.1", "sha": git(core_upstream, "rev-parse", "core_v0.16.1")}]
+    # The shared port patch stays shared: the new list names it where the old one did, and no copy.
+    assert entry["port"] == "core-zero-guarded"
+    old_list = (patches / "core-0.13-0.16" / "series").read_text().splitlines()
+    new_list = (patches / "core-0.16" / "series").read_text().splitlines()
+    assert new_list[0] == old_list[0] and new_list[0].startswith("../port/base/")
+    assert sorted(p.name for p in (patches / "core-0.16").iterdir()) == sorted(new_list[1:] + ["series"])
     code, report = drift_json(core_upstream, patches, "core_v0.16.1", extra=("--series", "core-0.16"))
     assert code == 0, report
     hunks = hunks_of(report, "core_v0.16.1")

@@ -21,6 +21,11 @@ else:  # pragma: no cover - Python 3.10
 
 CATALOGUE_FILE = "catalogue.toml"
 LIST_FILE = "series"
+# Folder (beside the series folders) of the patches series share: ``base/`` creates the replacement
+# module, ``<variant>/`` fits it to a [[port]] variant's trees; a series list names them as
+# ``../port/<folder>/<patch>`` (megaport.portpatches writes them).
+PORT_DIR = "port"
+PORT_BASE = "base"
 PATCHES_ENV = "MEGAPORT_PATCHES"
 # The repository a series' tested refs are resolved in, unless its entry names another one.
 UPSTREAM_REPOSITORY = "NVIDIA/Megatron-LM"
@@ -56,16 +61,35 @@ class Recognise:
 
 @dataclass(frozen=True)
 class PatchFile:
-    """One patch of a series: its file on disk and the hash recorded in ported trees."""
+    """One patch of a series: its file on disk and the hash recorded in ported trees.
+
+    ``port`` is the folder under ``port/`` of a patch the series shares with others ('base' or a
+    variant's name); None for the series' own patches."""
 
     name: str
     path: Path
+    port: str | None = None
 
     def text(self) -> str:
         return self.path.read_bytes().decode("utf-8", "surrogateescape")
 
     def sha256(self) -> str:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PortVariant:
+    """Where the replacement module goes and its era constants, for every series whose entry names
+    the variant (``[[port]]`` in catalogue.toml).
+
+    The series differ in the module only by these, so the catalogue stores the module once
+    (``port/base/``) plus, per variant that differs from it, one small patch (``port/<name>/``)."""
+
+    name: str
+    directory: Path
+    replacement: str
+    fully_masked_rows: str
+    transformer_engine_imports_guarded: bool
 
 
 @dataclass(frozen=True)
@@ -86,6 +110,9 @@ class Series:
     patches: tuple[PatchFile, ...] = field(default=())
     # GitHub "owner/name" whose history the tested refs belong to (a fork's series name the fork).
     repository: str = UPSTREAM_REPOSITORY
+    # The port variant ([[port]]) whose shared patches create the replacement module; None for a
+    # series that carries the module in a patch of its own.
+    port: str | None = None
 
     @property
     def is_upstream(self) -> bool:
@@ -119,6 +146,7 @@ class Catalogue:
     root: Path
     series: tuple[Series, ...]
     forks: tuple[Fork, ...] = ()
+    ports: tuple[PortVariant, ...] = ()
 
     def get(self, name: str) -> Series:
         for series in self.series:
@@ -145,6 +173,28 @@ def patches_dir(option: str | os.PathLike | None = None) -> Path:
 def load_catalogue(root: str | os.PathLike | None = None) -> Catalogue:
     """Read and check a catalogue, failing with one line on anything a user could get wrong."""
     directory = patches_dir(root)
+    path, data = _read(directory)
+    entries = data.get("series")
+    if not isinstance(entries, list) or not entries:
+        raise MegaportError(f"{path}: no [[series]] entries", exit_code=2)
+    ports = _ports(directory, path, data.get("port", []))
+    series = tuple(_series_from_entry(directory, path, entry, ports) for entry in entries)
+    names = [s.name for s in series]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise MegaportError(f"{path}: series listed twice: {', '.join(duplicates)}", exit_code=2)
+    return Catalogue(root=directory, series=series, forks=_forks(path, data.get("fork", [])), ports=ports)
+
+
+def load_ports(root: str | os.PathLike | None = None) -> tuple[PortVariant, ...]:
+    """The catalogue's [[port]] variants alone: what ``regenerate`` writes before any series
+    list can name their files."""
+    directory = patches_dir(root)
+    path, data = _read(directory)
+    return _ports(directory, path, data.get("port", []))
+
+
+def _read(directory: Path) -> tuple[Path, dict]:
     path = directory / CATALOGUE_FILE
     if not path.is_file():
         raise MegaportError(
@@ -152,18 +202,36 @@ def load_catalogue(root: str | os.PathLike | None = None) -> Catalogue:
             exit_code=2,
         )
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return path, tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise MegaportError(f"{path}: not valid TOML: {exc}", exit_code=2) from None
-    entries = data.get("series")
-    if not isinstance(entries, list) or not entries:
-        raise MegaportError(f"{path}: no [[series]] entries", exit_code=2)
-    series = tuple(_series_from_entry(directory, path, entry) for entry in entries)
-    names = [s.name for s in series]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise MegaportError(f"{path}: series listed twice: {', '.join(duplicates)}", exit_code=2)
-    return Catalogue(root=directory, series=series, forks=_forks(path, data.get("fork", [])))
+
+
+# The series entry keys a port variant sets for every series that takes it.
+PORT_KEYS = ("fully_masked_rows", "transformer_engine_imports", "replacement")
+
+
+def _ports(directory: Path, path: Path, entries) -> tuple[PortVariant, ...]:
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise MegaportError(f"{path}: [[port]] must be an array of tables", exit_code=2)
+    ports = []
+    for entry in entries:
+        name = entry.get("name")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise MegaportError(f"{path}: [[port]] name {name!r} must be a plain folder name", exit_code=2)
+        if not isinstance(entry.get("replacement"), str) or not entry["replacement"]:
+            raise MegaportError(f"{path}: [[port]] {name} needs replacement (the module's path in the tree)", exit_code=2)
+        if any(p.name == name for p in ports) or name == PORT_BASE:
+            raise MegaportError(f"{path}: [[port]] {name} is listed twice (or is '{PORT_BASE}', the shared folder)",
+                                exit_code=2)
+        ports.append(PortVariant(
+            name=name,
+            directory=directory / PORT_DIR / name,
+            replacement=entry["replacement"],
+            fully_masked_rows=str(entry.get("fully_masked_rows", "zero")),
+            transformer_engine_imports_guarded=entry.get("transformer_engine_imports", "guarded") != "unguarded",
+        ))
+    return tuple(ports)
 
 
 def _forks(path: Path, entries) -> tuple[Fork, ...]:
@@ -179,24 +247,29 @@ def _forks(path: Path, entries) -> tuple[Fork, ...]:
     return tuple(forks)
 
 
-def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
+def _series_from_entry(directory: Path, path: Path, entry: dict, ports: tuple[PortVariant, ...] = ()) -> Series:
     try:
         name = str(entry["name"])
     except (KeyError, TypeError):
         raise MegaportError(f"{path}: a [[series]] entry has no name", exit_code=2) from None
-    if "/" in name or name.startswith(".") or not name:
-        raise MegaportError(f"{path}: series name '{name}' must be a plain folder name", exit_code=2)
+    if "/" in name or name.startswith(".") or not name or name == PORT_DIR:
+        raise MegaportError(f"{path}: series name '{name}' must be a plain folder name other than '{PORT_DIR}'",
+                            exit_code=2)
     folder = directory / name
     recognise = entry.get("recognise", {})
     version = recognise.get("core_version", {})
+    port = _port_of(path, name, entry, ports)
     return Series(
         name=name,
         era=str(entry.get("era", "")),
         summary=str(entry.get("summary", "")),
         directory=folder,
-        fully_masked_rows=str(entry.get("fully_masked_rows", "zero")),
-        replacement=entry.get("replacement"),
-        transformer_engine_imports_guarded=entry.get("transformer_engine_imports", "guarded") != "unguarded",
+        fully_masked_rows=port.fully_masked_rows if port else str(entry.get("fully_masked_rows", "zero")),
+        replacement=port.replacement if port else entry.get("replacement"),
+        transformer_engine_imports_guarded=(
+            port.transformer_engine_imports_guarded if port
+            else entry.get("transformer_engine_imports", "guarded") != "unguarded"
+        ),
         optional=tuple(entry.get("optional", ())),
         tested=tuple(
             TestedRef(ref=str(t["ref"]), sha=str(t.get("sha", "")), date=t.get("date"))
@@ -210,9 +283,28 @@ def _series_from_entry(directory: Path, path: Path, entry: dict) -> Series:
             contains=_text_rules(path, recognise.get("contains", ())),
             lacks=_text_rules(path, recognise.get("lacks", ())),
         ),
-        patches=_patch_files(folder, name),
+        patches=_patch_files(folder, name, ports),
         repository=_repository(path, f"series '{name}'", entry.get("repository", UPSTREAM_REPOSITORY)),
+        port=port.name if port else None,
     )
+
+
+def _port_of(path: Path, name: str, entry: dict, ports: tuple[PortVariant, ...]) -> PortVariant | None:
+    """The [[port]] a series entry names; its era fields then come from there, never the entry."""
+    if "port" not in entry:
+        return None
+    wanted = entry["port"]
+    port = next((p for p in ports if p.name == wanted), None)
+    if port is None:
+        known = ", ".join(p.name for p in ports) or "none"
+        raise MegaportError(f"{path}: series '{name}': port {wanted!r} is not a [[port]] (known: {known})", exit_code=2)
+    doubled = [key for key in PORT_KEYS if key in entry]
+    if doubled:
+        raise MegaportError(
+            f"{path}: series '{name}': its port '{wanted}' sets {', '.join(doubled)}; remove that from the entry",
+            exit_code=2,
+        )
+    return port
 
 
 def _repository(path: Path, name: str, value) -> str:
@@ -228,22 +320,59 @@ def _text_rules(path: Path, entries) -> tuple[tuple[str, str], ...]:
         raise MegaportError(f"{path}: contains/lacks entries need a path and a text", exit_code=2) from None
 
 
-def _patch_files(folder: Path, name: str) -> tuple[PatchFile, ...]:
-    """The ordered patches named by the series list file; every name must exist inside the folder."""
+def list_entries(listing: Path) -> list[tuple[int, str]]:
+    """(line number, entry) of a series list file: '#' starts a comment, blank lines are skipped."""
+    entries = []
+    for number, line in enumerate(listing.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        entry = line.split("#", 1)[0].strip()
+        if entry:
+            entries.append((number, entry))
+    return entries
+
+
+def port_entry(entry: str) -> tuple[str, str] | None:
+    """(folder, file name) for a list entry ``../port/<folder>/<file>``, else None."""
+    parts = entry.split("/")
+    if len(parts) == 4 and parts[:2] == ["..", PORT_DIR] and all(_plain(p) for p in parts[2:]):
+        return parts[2], parts[3]
+    return None
+
+
+def _plain(part: str) -> bool:
+    return bool(part) and not part.startswith(".")
+
+
+def _patch_files(folder: Path, name: str, ports: tuple[PortVariant, ...] = ()) -> tuple[PatchFile, ...]:
+    """The ordered patches named by the series list file: files in the folder, or shared port
+    patches (``../port/<folder>/<file>``, the folder 'base' or a [[port]]); every one must exist."""
     listing = folder / LIST_FILE
     if not listing.is_file():
         raise MegaportError(f"series '{name}': missing list file {listing}", exit_code=2)
     patches = []
-    for line in listing.read_text(encoding="utf-8").splitlines():
-        entry = line.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        if "/" in entry or entry.startswith("."):
-            raise MegaportError(f"series '{name}': list entry '{entry}' must be a file in {folder}", exit_code=2)
-        patch = folder / entry
-        if not patch.is_file():
-            raise MegaportError(f"series '{name}': {LIST_FILE} names {entry}, which does not exist", exit_code=2)
-        patches.append(PatchFile(name=entry, path=patch))
+    for _, entry in list_entries(listing):
+        shared = port_entry(entry)
+        if shared:
+            port = shared[0]
+            if port != PORT_BASE and not any(p.name == port for p in ports):
+                raise MegaportError(
+                    f"series '{name}': {LIST_FILE} names {entry}, but catalogue.toml has no [[port]] '{port}'",
+                    exit_code=2)
+            patch = folder.parent / PORT_DIR / port / shared[1]
+            if not patch.is_file():
+                raise MegaportError(
+                    f"series '{name}': {LIST_FILE} names {entry}, which does not exist "
+                    "(run 'megaport regenerate' to write the [[port]] patches)", exit_code=2)
+        elif "/" in entry or entry.startswith("."):
+            raise MegaportError(
+                f"series '{name}': list entry '{entry}' must be a file in {folder} or ../{PORT_DIR}/<folder>/<file>",
+                exit_code=2)
+        else:
+            patch, port = folder / entry, None
+            if not patch.is_file():
+                raise MegaportError(f"series '{name}': {LIST_FILE} names {entry}, which does not exist", exit_code=2)
+        if any(p.name == patch.name for p in patches):
+            raise MegaportError(f"series '{name}': {LIST_FILE} names {patch.name} twice", exit_code=2)
+        patches.append(PatchFile(name=patch.name, path=patch, port=port))
     if not patches:
         raise MegaportError(f"series '{name}': {listing} lists no patches", exit_code=2)
     return tuple(patches)

@@ -164,14 +164,15 @@ def series(patches, json_file):
 @main.command()
 @click.option("--patches", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar="MEGAPORT_PATCHES",
               help="Catalogue whose series to regenerate [env: MEGAPORT_PATCHES].")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 if any series' copy differs from the source.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if any copy differs from the source.")
 @handle_errors
 def regenerate(patches, check):
-    """Maintainers: re-render the replacement module into every series.
+    """Maintainers: re-render the replacement module into the shared port patches.
 
-    The PyTorch replacements live once, in megaport/replacements/rocm_port.py; each
-    series carries them as a new-file diff. Edit the source, run this, commit the
-    series. Unchanged series stay byte-for-byte identical.
+    The PyTorch replacements live once, in megaport/replacements/rocm_port.py, and
+    once in the catalogue: patches/port/ holds the patch that adds the module and one
+    small patch per [[port]] variant, which every series lists first. Edit the source,
+    run this, commit patches/. Unchanged files stay byte-for-byte identical.
     """
     from megaport.commands.regenerate import regenerate_series
 

@@ -1,9 +1,12 @@
-"""Keep every series' copy of the replacement module identical to megaport's one source.
+"""Keep the catalogue's copies of the replacement module identical to megaport's one source.
 
 The replacement code (softmax functions, apex stand-ins, backend resolution) lives once, in
-``megaport/replacements/rocm_port.py``. Each series carries it as a new-file diff. Regenerating
-rewrites only that diff section, byte for byte from the rendered source, so running it on
-unchanged series changes nothing, and ``--check`` fails when any copy differs.
+``megaport/replacements/rocm_port.py``. The catalogue carries it once too, in the shared port
+patches that every series with a ``[[port]]`` variant lists first (:mod:`megaport.portpatches`,
+written whole). A series without a port carries the module in a patch of its own, where only
+that diff section is rewritten. Regenerating also sets each series' own patches' Upstream-Range
+trailer. Running it on an unchanged catalogue changes nothing, and ``--check`` fails when any
+copy differs.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaport.catalogue import Catalogue, Series
+from megaport.catalogue import PORT_DIR, Catalogue, PortVariant, Series
 from megaport.errors import MegaportError
+from megaport.portpatches import port_patches
 from megaport.replacements import render
 
 
@@ -101,12 +105,32 @@ def replacement_patch(series: Series) -> Path:
     return owners[0]
 
 
-def regenerate(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
-    """Render the source into every series; write only when asked (``--check`` does not)."""
+def regenerate_ports(root: Path, ports: tuple[PortVariant, ...], *, write: bool) -> list[Regeneration]:
+    """Write the shared port patches (:mod:`megaport.portpatches`): the base once, then each
+    variant's own, creating a new variant's folder."""
+    wanted = {}
+    for variant in ports:
+        for patch in port_patches(variant):
+            wanted[patch.path(root)] = (patch.folder, patch.data)
+    results = []
+    for path, (folder, after) in wanted.items():
+        changed = not path.is_file() or path.read_bytes() != after
+        if write and changed:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(after)
+        results.append(Regeneration(f"{PORT_DIR}/{folder}", path, changed))
+    return results
+
+
+def regenerate_series(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
+    """The range trailer of every series' own patches, and the module in a series that carries it
+    in a patch of its own (no port); a port variant's file is left to :func:`regenerate_ports`."""
     results = []
     for series in catalogue.series:
-        owner = replacement_patch(series) if series.replacement else None
+        owner = replacement_patch(series) if series.replacement and not series.port else None
         for patch_file in series.patches:
+            if patch_file.port:
+                continue
             before = patch_file.path.read_bytes()
             after = with_range_trailer(before, upstream_range(series))
             if patch_file.path == owner:
@@ -116,3 +140,8 @@ def regenerate(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
                 patch_file.path.write_bytes(after)
             results.append(Regeneration(series.name, patch_file.path, after != before))
     return results
+
+
+def regenerate(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
+    """Everything generated in a catalogue; write only when asked (``--check`` does not)."""
+    return regenerate_ports(catalogue.root, catalogue.ports, write=write) + regenerate_series(catalogue, write=write)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+
+from megaport.catalogue import PORT_DIR, load_catalogue
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DEMO_ENTRY = 'era = "test"\nsummary = "demo"\n'
 
@@ -19,3 +24,14 @@ def write_catalogue(
         f'format = 1\n\n[[series]]\nname = "{name}"\n{entry}\n[series.recognise]\n{recognise}'
     )
     return root
+
+
+def copy_shipped(target: Path) -> Path:
+    """The shipped catalogue's series (those catalogue.toml names) and their shared port patches,
+    in ``target`` (other people's series folders may be in progress beside them)."""
+    target.mkdir()
+    shutil.copy2(ROOT / "patches" / "catalogue.toml", target / "catalogue.toml")
+    shutil.copytree(ROOT / "patches" / PORT_DIR, target / PORT_DIR)
+    for series in load_catalogue(ROOT / "patches").series:
+        shutil.copytree(series.directory, target / series.name)
+    return target

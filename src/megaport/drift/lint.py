@@ -5,6 +5,9 @@
 * ``catalogue.toml`` and the folders agree: each entry has its folder and list file, every
   listed patch exists (once), no ``.patch`` file is left out of a list, no folder is left out
   of the catalogue;
+* each ``[[port]]`` variant is valid, distinct and taken by some series, ``port/`` holds exactly
+  the shared patches megaport writes for them, and a series with ``port = "<variant>"`` lists
+  that variant's shared patches first, in order (shared patches carry no range trailer);
 * no patch names a path outside the tree (``engine.check_patch_paths``) or creates a symlink;
 * every entry's fields and ``[series.recognise]`` rules parse.
 
@@ -20,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megaport.catalogue import CATALOGUE_FILE, LIST_FILE, PATCHES_ENV
+from megaport.catalogue import (
+    CATALOGUE_FILE, LIST_FILE, PATCHES_ENV, PORT_BASE, PORT_DIR, PORT_KEYS, PortVariant, list_entries, port_entry,
+)
 from megaport.engine import PatchFormatError, UnsafePathError, check_patch_paths, parse_patch
 from megaport.engine.paths import unsafe_reason
 from megaport.errors import MegaportError
+from megaport.portpatches import port_patches
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,7 +43,8 @@ _VERSION = re.compile(r"^\d+(\.\d+){0,2}([A-Za-z]+\d*)?$")
 _SHA = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _ENTRY_KEYS = {"name", "era", "summary", "fully_masked_rows", "transformer_engine_imports", "replacement", "optional",
-               "tested", "recognise", "repository"}
+               "tested", "recognise", "repository", "port"}
+_PORT_KEYS = {"name", *PORT_KEYS}
 _RECOGNISE_KEYS = {"core_version", "present", "absent", "contains", "lacks"}
 _IGNORED_DIRS = {"__pycache__"}
 
@@ -80,17 +87,24 @@ def lint_catalogue(root: Path) -> list[Problem]:
     entries = data.get("series")
     if not isinstance(entries, list) or not entries:
         return problems + [Problem(path, "no [[series]] entries; add one per series folder")]
+    ports = _check_ports(root, data.get("port", []), problems)
     names: list[str] = []
+    taken: set[str] = set()
     for number, entry in enumerate(entries, 1):
-        name = _check_entry(path, number, entry, problems)
+        name = _check_entry(path, number, entry, problems, ports)
         if name is None:
             continue
         if name in names:
             problems.append(Problem(path, f"series '{name}' is listed twice; remove one entry"))
             continue
         names.append(name)
-        problems.extend(_check_folder(root, name, entry))
+        taken.add(entry.get("port"))
+        problems.extend(_check_folder(root, name, entry, ports))
+    problems.extend(Problem(path, f"[[port]] {name} is taken by no series; remove it") for name in ports if name not in taken)
+    problems.extend(_check_port_folder(root, ports))
     for child in sorted(root.iterdir()):
+        if child.name == PORT_DIR and child.is_dir():
+            continue
         if child.is_dir() and child.name not in names and not child.name.startswith((".", "_")) and child.name not in _IGNORED_DIRS:
             problems.append(Problem(child, f"folder is not in {CATALOGUE_FILE}; add a [[series]] entry named '{child.name}' or remove it"))
         elif child.is_file() and child.suffix == ".patch":
@@ -98,22 +112,74 @@ def lint_catalogue(root: Path) -> list[Problem]:
     return problems
 
 
-def _check_entry(path: Path, number: int, entry: Any, problems: list[Problem]) -> Optional[str]:
+def _check_ports(root: Path, entries: Any, problems: list[Problem]) -> dict[str, PortVariant]:
+    """The valid [[port]] variants by name; a problem for each one that is not."""
+    path = root / CATALOGUE_FILE
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        problems.append(Problem(path, "[[port]] must be an array of tables"))
+        return {}
+    ports: dict[str, PortVariant] = {}
+    for number, entry in enumerate(entries, 1):
+        name = entry.get("name")
+        if not isinstance(name, str) or not _NAME.match(name) or name == PORT_BASE:
+            problems.append(Problem(path, f"[[port]] #{number}: name {name!r} must be a plain folder name other than '{PORT_BASE}'"))
+            continue
+        where = f"[[port]] {name}"
+        found = len(problems)
+        for key in sorted(set(entry) - _PORT_KEYS):
+            problems.append(Problem(path, f"{where}: unknown key '{key}'; remove it or fix its spelling"))
+        replacement = entry.get("replacement")
+        if not isinstance(replacement, str) or not replacement.endswith(".py") or unsafe_reason(replacement):
+            problems.append(Problem(path, f"{where}: replacement {replacement!r} must be the module's .py path inside the tree"))
+        problems.extend(Problem(path, f"{where}: {m}") for m in _era_problems(entry))
+        if name in ports:
+            problems.append(Problem(path, f"{where} is listed twice; remove one"))
+        if len(problems) > found:
+            continue
+        variant = PortVariant(name, root / PORT_DIR / name, replacement, entry.get("fully_masked_rows", "zero"),
+                              entry.get("transformer_engine_imports", "guarded") != "unguarded")
+        same = next((p for p in ports.values() if _settings(p) == _settings(variant)), None)
+        if same:
+            problems.append(Problem(path, f"{where} has the settings of [[port]] {same.name}; let their series share one"))
+            continue
+        ports[name] = variant
+    return ports
+
+
+def _settings(variant: PortVariant) -> tuple:
+    return variant.replacement, variant.fully_masked_rows, variant.transformer_engine_imports_guarded
+
+
+def _era_problems(entry: dict) -> list[str]:
+    problems = []
+    if entry.get("fully_masked_rows", "zero") not in ("zero", "uniform"):
+        problems.append("fully_masked_rows must be \"zero\" or \"uniform\"")
+    if entry.get("transformer_engine_imports", "guarded") not in ("guarded", "unguarded"):
+        problems.append("transformer_engine_imports must be \"guarded\" or \"unguarded\"")
+    return problems
+
+
+def _check_entry(path: Path, number: int, entry: Any, problems: list[Problem],
+                 ports: Optional[dict[str, PortVariant]] = None) -> Optional[str]:
     where = f"[[series]] #{number}"
     if not isinstance(entry, dict):
         problems.append(Problem(path, f"{where} is not a table"))
         return None
     name = entry.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        problems.append(Problem(path, f"{where}: name {name!r} must be a plain folder name"))
+    if not isinstance(name, str) or not _NAME.match(name) or name == PORT_DIR:
+        problems.append(Problem(path, f"{where}: name {name!r} must be a plain folder name other than '{PORT_DIR}'"))
         return None
     where = f"series '{name}'"
     for key in sorted(set(entry) - _ENTRY_KEYS):
         problems.append(Problem(path, f"{where}: unknown key '{key}'; remove it or fix its spelling"))
-    if entry.get("fully_masked_rows", "zero") not in ("zero", "uniform"):
-        problems.append(Problem(path, f"{where}: fully_masked_rows must be \"zero\" or \"uniform\""))
-    if entry.get("transformer_engine_imports", "guarded") not in ("guarded", "unguarded"):
-        problems.append(Problem(path, f"{where}: transformer_engine_imports must be \"guarded\" or \"unguarded\""))
+    problems.extend(Problem(path, f"{where}: {m}") for m in _era_problems(entry))
+    if "port" in entry:
+        if entry["port"] not in (ports or {}):
+            known = ", ".join(ports or {}) or "none"
+            problems.append(Problem(path, f"{where}: port {entry['port']!r} is not a valid [[port]] (known: {known})"))
+        for key in PORT_KEYS:
+            if key in entry:
+                problems.append(Problem(path, f"{where}: {key} comes from its port '{entry['port']}'; remove it from the entry"))
     optional = entry.get("optional", [])
     if not _strings(optional):
         problems.append(Problem(path, f"{where}: optional must be a list of paths"))
@@ -177,7 +243,7 @@ def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) and v for v in value)
 
 
-def _check_folder(root: Path, name: str, entry: dict) -> list[Problem]:
+def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, PortVariant]] = None) -> list[Problem]:
     folder = root / name
     if not folder.is_dir():
         return [Problem(root / CATALOGUE_FILE, f"series '{name}' has no folder {name}/; create it or remove the entry")]
@@ -186,12 +252,14 @@ def _check_folder(root: Path, name: str, entry: dict) -> list[Problem]:
         return [Problem(folder, f"no '{LIST_FILE}' list file; list the patches in order, one per line")]
     problems = []
     listed: list[str] = []
-    for number, line in enumerate(listing.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        item = line.split("#", 1)[0].strip()
-        if not item:
-            continue
-        if "/" in item or item.startswith("."):
-            problems.append(Problem(listing, f"'{item}' must be a file name in this folder", number))
+    shared: list[tuple[int, str]] = []
+    for number, item in list_entries(listing):
+        if port_entry(item):
+            if not (folder / item).is_file():
+                problems.append(Problem(listing, f"names {item}, which does not exist; fix the line or run 'megaport regenerate'", number))
+            shared.append((number, item))
+        elif "/" in item or item.startswith("."):
+            problems.append(Problem(listing, f"'{item}' must be a file name in this folder or ../{PORT_DIR}/<folder>/<file>", number))
         elif item in listed:
             problems.append(Problem(listing, f"'{item}' is listed twice; remove one line", number))
         elif not (folder / item).is_file():
@@ -199,7 +267,8 @@ def _check_folder(root: Path, name: str, entry: dict) -> list[Problem]:
         else:
             listed.append(item)
             problems.extend(lint_patch(folder / item, entry))
-    if not listed and not problems:
+    problems.extend(_check_shared_lines(listing, entry, shared, ports or {}))
+    if not listed and not shared and not problems:
         problems.append(Problem(listing, "lists no patches"))
     for stray in sorted(folder.glob("*.patch")):
         if stray.name not in listed:
@@ -207,8 +276,47 @@ def _check_folder(root: Path, name: str, entry: dict) -> list[Problem]:
     return problems
 
 
-def lint_patch(path: Path, entry: Optional[dict] = None) -> list[Problem]:
-    """Subject, reason, ``Upstream-Range`` trailer, safe paths."""
+def _check_shared_lines(listing: Path, entry: dict, shared: list[tuple[int, str]],
+                        ports: dict[str, PortVariant]) -> list[Problem]:
+    """A series with a port lists exactly its variant's shared patches, first; one without, none."""
+    port = entry.get("port")
+    if port is None:
+        return [Problem(listing, f"names the shared {item} but its catalogue entry has no port; add port = \"<variant>\"", number)
+                for number, item in shared]
+    if port not in ports:
+        return []  # reported with the entry
+    wanted = [p.entry for p in port_patches(ports[port])]
+    lines = list_entries(listing)
+    if [item for _, item in lines[: len(wanted)]] != wanted or len(shared) != len(wanted):
+        first = "; ".join(wanted)
+        return [Problem(listing, f"must start with port {port}'s shared patches and name no others: {first}", 1)]
+    return []
+
+
+def _check_port_folder(root: Path, ports: dict[str, PortVariant]) -> list[Problem]:
+    """``port/`` holds the shared patches megaport writes for the [[port]] variants, and nothing else."""
+    wanted = {p.path(root): p for variant in ports.values() for p in port_patches(variant)}
+    problems = [Problem(path, "missing; run 'megaport regenerate'") for path in wanted if not path.is_file()]
+    folder = root / PORT_DIR
+    if not folder.is_dir():
+        return problems
+    folders = {PORT_BASE, *ports}
+    for child in sorted(folder.iterdir()):
+        if child.name in _IGNORED_DIRS or child.name.startswith("."):
+            continue
+        if not child.is_dir() or child.name not in folders:
+            problems.append(Problem(child, f"not a [[port]] variant's folder (nor '{PORT_BASE}'); remove it or add the [[port]]"))
+            continue
+        for patch in sorted(child.iterdir()):
+            if patch not in wanted:
+                problems.append(Problem(patch, "not a shared patch megaport writes for the [[port]] variants; remove it"))
+            else:
+                problems.extend(lint_patch(patch, shared=True))
+    return problems
+
+
+def lint_patch(path: Path, entry: Optional[dict] = None, *, shared: bool = False) -> list[Problem]:
+    """Subject, reason, ``Upstream-Range`` trailer (none on a ``shared`` port patch), safe paths."""
     text = path.read_bytes().decode("utf-8", "surrogateescape")
     try:
         patch = parse_patch(text, name=path.name)
@@ -222,7 +330,10 @@ def lint_patch(path: Path, entry: Optional[dict] = None) -> list[Problem]:
     ranges = [line.strip() for line in patch.message.splitlines() if line.lower().startswith(TRAILER.lower() + ":")]
     if not "\n".join(line for line in body.splitlines() if line.strip() not in ranges).strip():
         problems.append(Problem(path, "no reason; say in the message body why the patch exists", subject_line))
-    if not ranges:
+    if shared:
+        problems.extend(Problem(path, f"'{TRAILER}' on a shared port patch, whose series span eras; remove it",
+                                _line_of(text, re.escape(trailer))) for trailer in ranges)
+    elif not ranges:
         example = _example_range(entry)
         problems.append(
             Problem(path, f"no '{TRAILER}: <first>..<last>' trailer; add one at the end of the message (e.g. '{TRAILER}: {example}')",

@@ -1,12 +1,13 @@
 """Rebuild a series on a new upstream ref and export it deterministically.
 
-A patch whose hunks are all clean on the ref keeps its file byte for byte. A patch with hunks
-that moved (offset), needed fuzz or a three-way merge is regenerated file by file: each file
-section whose hunks are all clean is kept verbatim; the others are rediffed with three lines of
-context from the ref's file (``engine.make_file_diff``), with new full blob ids on the ``index``
-line and the original file mode. The mail header and message stay as they were. A patch whose
-every change upstream already has is dropped. Nothing is written unless the rebuilt series
-applies to the ref with every hunk clean.
+A patch whose hunks are all clean on the ref keeps its file byte for byte; a shared port patch
+(``port/``) must be one of those, since other series take it too, and the refreshed list names it
+where the original did. A patch with hunks that moved (offset), needed fuzz or a three-way merge
+is regenerated file by file: each file section whose hunks are all clean is kept verbatim; the
+others are rediffed with three lines of context from the ref's file (``engine.make_file_diff``),
+with new full blob ids on the ``index`` line and the original file mode. The mail header and
+message stay as they were. A patch whose every change upstream already has is dropped. Nothing
+is written unless the rebuilt series applies to the ref with every hunk clean.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Any, Optional
 
 from megaport.catalogue import CATALOGUE_FILE, LIST_FILE, Catalogue, PatchFile, Series
 from megaport.engine import make_file_diff
+from megaport.engine.diff import with_function_names
 from megaport.errors import MegaportError
 
 from .check import LoadedPatch, LoadedSeries, check_series, loaded_patch
-from .model import BROKEN, CLEAN, SKIPPED, PatchDrift, SeriesDrift
+from .model import BROKEN, CLEAN, EXIT_BROKEN, SKIPPED, PatchDrift, SeriesDrift
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +70,11 @@ def rebuild(loaded: LoadedSeries, result: SeriesDrift) -> list[ExportedPatch]:
     exported = []
     for item, drift in zip(loaded.patches, result.patches):
         original = item.file.path.read_bytes()
+        if item.file.port and drift.status != SKIPPED and not all(h.status == CLEAN for h in drift.hunks):
+            raise MegaportError(
+                f"{item.file.name} is shared by every series of port '{item.file.port}' and does not apply cleanly "
+                f"on {result.ref}; fix the replacement source or the [[port]] variant, then 'megaport regenerate'",
+                exit_code=EXIT_BROKEN)
         if drift.status == SKIPPED:
             exported.append(ExportedPatch(item.file.name, KEPT, original, f"not checked ({drift.reason})"))
         elif all(h.status == CLEAN for h in drift.hunks):
@@ -117,29 +124,6 @@ def _regenerate(item: LoadedPatch, drift: PatchDrift, original: bytes) -> Export
     return ExportedPatch(item.file.name, REGENERATED, data, f"{', '.join(changed)} ({'; '.join(words)})")
 
 
-_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@$", re.MULTILINE)
-_FUNCNAME_LIMIT = 80
-
-
-def with_function_names(diff: str, old: Optional[bytes]) -> str:
-    """Add the text git puts after ``@@ ... @@`` (the nearest line above the hunk that starts
-    with a letter, ``_`` or ``$``, at most 80 bytes), so regenerated hunks read like git's."""
-    if old is None:
-        return diff
-    lines = old.decode("utf-8", "surrogateescape").split("\n")
-
-    def name(match: re.Match) -> str:
-        start = int(match.group(1)) - (0 if match.group(2) == "0" else 1)
-        for index in range(min(start, len(lines)) - 1, -1, -1):
-            line = lines[index]
-            if line[:1].isalpha() or line[:1] in ("_", "$"):
-                text = line.encode("utf-8", "surrogateescape")[:_FUNCNAME_LIMIT].decode("utf-8", "ignore").rstrip()
-                return f"{match.group(0)} {text}"
-        return match.group(0)
-
-    return _HUNK_HEADER.sub(name, diff)
-
-
 def _hunks_end(lines: list[str], item: LoadedPatch, number: int) -> int:
     """Index just after the last hunk of file ``number`` (where a signature or trailer starts)."""
     file = item.patch.files[number]
@@ -166,11 +150,12 @@ def _hunks_end(lines: list[str], item: LoadedPatch, number: int) -> int:
 def loaded_from_exports(series: Series, exported: list[ExportedPatch], directory: Path) -> LoadedSeries:
     """The refreshed series, parsed from memory, to check it before anything is written."""
     items = []
-    for patch in exported:
+    for original, patch in zip(series.patches, exported):
         if patch.data is None:
             continue
         text = patch.data.decode("utf-8", "surrogateescape")
-        items.append(loaded_patch(PatchFile(patch.name, directory / patch.name), text))
+        path = original.path if original.port else directory / patch.name
+        items.append(loaded_patch(PatchFile(patch.name, path, original.port), text))
     return LoadedSeries(series, tuple(items))
 
 
@@ -215,8 +200,8 @@ def write_new_series(
     entry = catalogue_entry(before, series.name, new_name, ref, sha)
     tmp = Path(tempfile.mkdtemp(prefix=f".{new_name}.tmp-", dir=catalogue.root))
     try:
-        for patch in exported:
-            if patch.data is not None:
+        for original, patch in zip(series.patches, exported):
+            if patch.data is not None and not original.port:  # a shared port patch stays shared
                 (tmp / patch.name).write_bytes(patch.data)
         (tmp / LIST_FILE).write_bytes(list_file_text(series, exported))
         os.rename(tmp, target)
@@ -238,9 +223,9 @@ def write_in_place(series: Series, exported: list[ExportedPatch]) -> list[str]:
     """Rewrite the patches whose bytes change (and drop dropped ones); return what changed."""
     changed = []
     directory = series.directory
-    for patch in exported:
+    for original, patch in zip(series.patches, exported):
         path = directory / patch.name
-        if patch.data is None:
+        if patch.data is None or original.port:  # shared port patches are only ever kept
             continue
         if path.read_bytes() != patch.data:
             _atomic_write(path, patch.data)

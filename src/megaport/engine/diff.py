@@ -8,6 +8,7 @@ line carries full blob ids, which lets the applier recognise already-applied pat
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Optional
 
 from .blob import git_blob_id
@@ -95,3 +96,26 @@ def _body_line(kind: str, line: str) -> str:
     if line.endswith("\n"):
         return kind + line
     return kind + line + "\n" + NO_NEWLINE_MARKER
+
+
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@$", re.MULTILINE)
+_FUNCNAME_LIMIT = 80
+
+
+def with_function_names(diff: str, old: Optional[bytes]) -> str:
+    """Add the text git puts after ``@@ ... @@`` (the nearest line above the hunk that starts
+    with a letter, ``_`` or ``$``, at most 80 bytes), so regenerated hunks read like git's."""
+    if old is None:
+        return diff
+    lines = old.decode("utf-8", "surrogateescape").split("\n")
+
+    def name(match: re.Match) -> str:
+        start = int(match.group(1)) - (0 if match.group(2) == "0" else 1)
+        for index in range(min(start, len(lines)) - 1, -1, -1):
+            line = lines[index]
+            if line[:1].isalpha() or line[:1] in ("_", "$"):
+                text = line.encode("utf-8", "surrogateescape")[:_FUNCNAME_LIMIT].decode("utf-8", "ignore").rstrip()
+                return f"{match.group(0)} {text}"
+        return match.group(0)
+
+    return _HUNK_HEADER.sub(name, diff)
