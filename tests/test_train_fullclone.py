@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from support.porting import assert_clean, port
 
-from megaport.train import baseline, pretrain
+from megaport.train import baseline, parity, pretrain
 from megaport.train.shims import registry
 
 pytestmark = pytest.mark.fullclone
@@ -38,14 +38,14 @@ ERAS = [
 
 
 def _train_and_compare(tree: Path, sha: str) -> None:
-    ported = pretrain.run_pretrain(pretrain.parity_run(str(tree)))
+    ported = pretrain.run_pretrain(parity.parity_run(str(tree)))
     losses = ported["losses"]
     assert len(losses) >= 10 and all(v == v for v in losses), losses
     assert statistics.mean(losses[-10:]) < statistics.mean(losses[:10]), losses
     assert any("process group" in s for s in ported["substitutions"])  # it ran on the CPU launcher
-    upstream, shims = baseline.run_unported(pretrain.parity_run(str(tree), "fusions-off"), sha)
-    parity = pretrain.loss_parity(ported, upstream)
-    problems = pretrain.parity_problems(parity, min(len(losses), len(upstream["losses"])))
+    upstream, shims = baseline.run_unported(parity.parity_run(str(tree), "fusions-off"), sha)
+    compared = parity.loss_parity(ported, upstream)
+    problems = parity.parity_problems(compared, min(len(losses), len(upstream["losses"])))
     assert not problems, "\n".join(problems)
     assert set(shims) <= set(registry.REGISTRY)
     assert upstream["baseline_port_code"] == []  # every baseline process reported, none loaded port code

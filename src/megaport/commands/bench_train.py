@@ -133,7 +133,7 @@ def _summary(runs: list) -> dict:
 
 
 def _document(tree, state, kind, info, sizes, ported_runs, upstream_runs) -> dict:
-    from megaport.train.pretrain import loss_parity
+    from megaport.train.parity import loss_parity
 
     ported, upstream = _summary(ported_runs), _summary(upstream_runs)
     return {

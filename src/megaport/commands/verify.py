@@ -241,9 +241,13 @@ def report(console, document: dict, state: PortState) -> None:
     parity = device.get("loss_parity")
     if parity:
         shims = parity.get("baseline_shims") or []
+        norms = (f", grad norm max {parity['grad_norm_max_relative_difference']:.2e}"
+                 if parity.get("grad_norm_compared") else "")
+        drop = f"; upstream's loss fell {parity['loss_drop']:.0%} over them" if "loss_drop" in parity else ""
         table.add_row("loss vs upstream", escape(
-            f"max {parity['max_relative_difference']:.2e} relative over {len(parity['iterations'])} iterations, "
-            f"same seed, data and flags; against {parity.get('against', 'unported upstream, fusions off')}"
+            f"loss max {parity['max_relative_difference']:.2e} relative{norms} over {len(parity['iterations'])} "
+            f"iterations{drop}, same seed, data and flags; against "
+            f"{parity.get('against', 'unported upstream, fusions off')}"
             + (f"; baseline shims: {'; '.join(shims)}" if shims else "")))
     not_run = device.get("gpu_only_not_run")
     if not_run:

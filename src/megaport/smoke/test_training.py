@@ -16,7 +16,7 @@ proves. Never the port against itself.
 Parity compares what a broken port changes: the loss *and* the grad norm upstream logs, per
 iteration, over a window in which the model measurably learns (the loss falls by 10 % at least;
 the run's learning rate is raised for it where the example's is too small for a short run, and
-the report says so: :func:`megaport.train.pretrain.parity_run`). A fault in the optimizer step, the clipping
+the report says so: :mod:`megaport.train.parity`). A fault in the optimizer step, the clipping
 or the grad norm then moves one of them by far more than the tolerance.
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 from megaport.smoke import _tree
-from megaport.train import baseline, harness, pretrain
+from megaport.train import baseline, harness, parity, pretrain
 
-MIN_LOGGED = pretrain.MIN_COMPARED  # iterations with a loss (fp16's loss-scale search skips the first ~16)
+MIN_LOGGED = parity.MIN_COMPARED  # iterations with a loss (fp16's loss-scale search skips the first ~16)
 HARNESS_STEPS = 48
 
 
@@ -39,7 +39,7 @@ def _entry_point(smoke) -> str:
 
 
 def _pretrain_run(smoke, mode: str = "ported") -> pretrain.Run:
-    return pretrain.parity_run(str(smoke.tree), mode, gpu=smoke.gpu)
+    return parity.parity_run(str(smoke.tree), mode, gpu=smoke.gpu)
 
 
 def _harness(smoke, tree, mode, env):
@@ -92,15 +92,15 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, ported_run):
         if ported_run["entry_point"] == "pretrain_gpt.py":
             base, _ = baseline.run_unported(_pretrain_run(smoke, "fusions-off"), sha)
             shims = base["baseline_shims"]
-            parity = pretrain.loss_parity(ported_run, base)
+            compared = parity.loss_parity(ported_run, base)
         else:
             base, shims = harness.upstream_baseline(smoke.tree, sha, steps=HARNESS_STEPS,
                                                     device="cuda" if smoke.gpu else "cpu")
             steps = list(range(1, HARNESS_STEPS + 1))  # the harness logs every step
-            parity = pretrain.loss_parity(dict(ported_run, iterations=steps), dict(base, iterations=steps))
+            compared = parity.loss_parity(dict(ported_run, iterations=steps), dict(base, iterations=steps))
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
-    parity.update(against="unported upstream, fusions off", baseline_shims=shims)
-    smoke.facts["loss_parity"] = parity
-    problems = pretrain.parity_problems(parity, min(len(ported_run["losses"]), len(base["losses"])))
+    compared.update(against="unported upstream, fusions off", baseline_shims=shims)
+    smoke.facts["loss_parity"] = compared
+    problems = parity.parity_problems(compared, min(len(ported_run["losses"]), len(base["losses"])))
     assert not problems, "\n".join(problems)

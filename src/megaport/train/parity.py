@@ -1,0 +1,107 @@
+"""Loss parity: is the ported tree's training the same as unported upstream's, step by step?
+
+Green must mean the port trains as upstream does, so the comparison must be able to fail: it
+compares the loss *and* the grad norm upstream logs, per iteration, over a window in which the
+model measurably learns (:func:`parity_run` sets both sides up for it; :func:`parity_problems`
+gives the verdict verify, bench and the full-clone tests share). docs/verify.md#loss-parity.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from megaport.train import example
+from megaport.train.pretrain import GPU_SIZES, Run
+
+
+#: Loss parity's tolerances: per-iteration loss and grad norm, relative (a norm amplifies rounding
+#: more than the loss, and upstream logs it to three decimals), and how much the baseline's loss
+#: must fall over the compared iterations for the comparison to mean anything.
+LOSS_TOLERANCE = 0.01
+GRAD_NORM_TOLERANCE = 0.05
+MIN_LOSS_DROP = 0.10
+MIN_COMPARED = 10  # iterations both runs logged
+#: fp16's initial loss scale for parity runs: upstream's 2**32 searches down for ~16 skipped steps to
+#: the largest scale that does not overflow, and at a learning rate where the model learns a later
+#: step overflows in one run and not the other (measured on main: one skip apart at iteration 21,
+#: then 5 % apart in loss). 2**12 leaves gradients of this size far from fp16's range either way.
+PARITY_LOSS_SCALE = 4096.0
+
+
+def loss_parity(ported: dict, baseline: dict) -> dict:
+    """Per-iteration loss *and* grad norm of two runs, compared where both logged one: the
+    iterations compared, the largest relative difference of each, and how much the baseline's loss
+    fell over them (parity means nothing where the model does not learn: then almost any optimizer
+    fault keeps the loss within 1 %).
+
+    fp16's dynamic loss scale skips an iteration whose gradients overflow; fused and unfused
+    arithmetic round differently, so now and then one run skips an iteration the other logs
+    (``only_ported``/``only_upstream`` list them). Grad norms are compared where both runs have
+    one (a step the optimizer skipped has none): ``grad_norm_compared`` says whether that is at
+    least :data:`MIN_COMPARED` iterations."""
+    mine = dict(zip(ported["iterations"], zip(ported["losses"], ported.get("grad_norms") or _nones(ported))))
+    theirs = dict(zip(baseline["iterations"], zip(baseline["losses"], baseline.get("grad_norms") or _nones(baseline))))
+    common = sorted(set(mine) & set(theirs))
+    norms = [i for i in common if mine[i][1] is not None and theirs[i][1] is not None]
+    upstream_losses = [theirs[i][0] for i in common]
+    return {"iterations": common, "same_iterations": set(mine) == set(theirs),
+            "only_ported": sorted(set(mine) - set(theirs)), "only_upstream": sorted(set(theirs) - set(mine)),
+            "max_relative_difference": _worst(mine, theirs, common, 0),
+            "grad_norm_iterations": norms, "grad_norm_compared": len(norms) >= MIN_COMPARED,
+            "grad_norm_max_relative_difference": _worst(mine, theirs, norms, 1),
+            "loss_drop": loss_drop(upstream_losses),
+            "ported": [round(mine[i][0], 5) for i in common], "upstream": [round(v, 5) for v in upstream_losses],
+            "ported_grad_norms": [mine[i][1] for i in norms], "upstream_grad_norms": [theirs[i][1] for i in norms]}
+
+
+def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False) -> Run:
+    """The run loss parity compares, on either side: the example's flags with a learning rate
+    and data a short run measurably learns from (:func:`example.parity_data`), fp16's loss scale
+    where no step overflows, and dropout 0: upstream's fused bias-dropout-add draws its masks
+    otherwise than the unfused one (main at 3e-3: 0.8 % apart in grad norm from the first step, 38 %
+    by the end with the example's dropout; 0.5 % with none)."""
+    sizes, data = example.parity_data(GPU_SIZES if gpu else example.Sizes(), tree)
+    return Run(tree=tree, mode=mode, device="cuda" if gpu else "cpu", sizes=sizes,
+               lr=example.parity_learning_rate(tree), data=data, initial_loss_scale=PARITY_LOSS_SCALE, dropout=0.0)
+
+
+def parity_problems(parity: dict, logged: int) -> list:
+    """Why ``parity`` (from :func:`loss_parity`) fails, one sentence each; empty when it holds.
+    ``logged``: the fewer iterations either run logged a loss for."""
+    problems = []
+    if len(parity["iterations"]) < max(MIN_COMPARED, 0.9 * logged):
+        problems.append(f"only {len(parity['iterations'])} iterations logged by both runs (fp16 skipped others: "
+                        f"ported only {parity['only_ported']}, upstream only {parity['only_upstream']})")
+    if parity["loss_drop"] < MIN_LOSS_DROP:
+        problems.append(f"unported upstream's loss fell by {parity['loss_drop']:.1%} over the compared iterations, "
+                        f"less than {MIN_LOSS_DROP:.0%}: parity where the model does not learn proves nothing: "
+                        f"{parity['upstream']}")
+    if parity["max_relative_difference"] > LOSS_TOLERANCE:
+        problems.append(f"per-iteration losses differ by up to {parity['max_relative_difference']:.2%} from unported "
+                        f"upstream with its fusions off:\n ported   {parity['ported']}\n upstream {parity['upstream']}")
+    if not parity["grad_norm_compared"]:
+        problems.append(f"only {len(parity['grad_norm_iterations'])} iterations have a grad norm in both runs; "
+                        f"need {MIN_COMPARED}")
+    elif parity["grad_norm_max_relative_difference"] > GRAD_NORM_TOLERANCE:
+        problems.append(f"per-iteration grad norms differ by up to {parity['grad_norm_max_relative_difference']:.2%} "
+                        f"from unported upstream with its fusions off:\n ported   {parity['ported_grad_norms']}\n"
+                        f" upstream {parity['upstream_grad_norms']}")
+    return problems
+
+
+def loss_drop(losses: list, window: int = 5) -> float:
+    """How much the loss fell over a run, relative: the mean of its first ``window`` values against
+    the mean of its last (means, so one noisy step neither makes nor hides it)."""
+    if len(losses) < 2 * window:
+        return 0.0
+    first, last = statistics.mean(losses[:window]), statistics.mean(losses[-window:])
+    return (first - last) / abs(first)
+
+
+def _nones(run: dict) -> list:
+    return [None] * len(run["iterations"])
+
+
+def _worst(mine: dict, theirs: dict, iterations: list, which: int) -> float:
+    return max((abs(mine[i][which] - theirs[i][which]) / abs(theirs[i][which]) for i in iterations),
+               default=float("inf"))
