@@ -62,15 +62,21 @@ def test_no_shim_reads_imports_or_copies_the_port():
         assert "rocm_port.py" not in path.read_text(encoding="utf-8") or path.name == "audit.py", path
 
 
+def _missing(module: str) -> str:
+    """Code that fails as importing a missing ``module`` does, whatever this process has loaded
+    (other tests may have served or blocked it here)."""
+    return f"raise ModuleNotFoundError(\"No module named '{module}'\", name={module!r})"
+
+
 @pytest.mark.parametrize("code,shim", [
-    ("import amp_C", "apex"),
-    ("import apex.optimizers", "apex"),
-    ("import fused_mix_prec_layer_norm_cuda", "apex"),
+    (_missing("amp_C"), "apex"),
+    (_missing("apex.optimizers"), "apex"),
+    (_missing("fused_mix_prec_layer_norm_cuda"), "apex"),
     ("raise ValueError('Apex must be installed to use FusedLayerNorm.')", "apex"),
-    ("import transformer_engine", "transformer-engine"),
+    (_missing("transformer_engine"), "transformer-engine"),
     ("import importlib.metadata as m\nm.version('transformer-engine')", "transformer-engine"),
-    ("import torch._six", "stack"),
-    ("import numpy\nnumpy.float", "stack"),
+    (_missing("torch._six"), "stack"),
+    ("raise AttributeError(\"module 'numpy' has no attribute 'float'.\")", "stack"),
     (failure.Failure("ModuleNotFoundError", "No module named 'deepspeed.compression.compress'",
                      module="deepspeed.compression.compress"), "deepspeed-compression"),  # DeepSpeed >= 0.18
     ("isinstance(1, 2)", "deepspeed-tensor-types"),

@@ -60,6 +60,8 @@ class Run:
     # "mock" (upstream's mock dataset, where the parser has --mock-data) or "indexed" (a tiny
     # indexed dataset written for the run); None: mock where the parser has it
     data: str | None = None
+    # More flags, each group with why it was added: ((flags...), note), ...
+    extra: tuple = ()
     nproc: int = 1
     # Megatron-DeepSpeed trees: "deepspeed" (the example's --deepspeed, DeepSpeed's engine) or
     # "megatron" (its DeepSpeed flags left out: Megatron's own loop). Upstream trees ignore it.
@@ -104,6 +106,9 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     if run.dropout is not None:
         flags += ["--hidden-dropout", str(run.dropout), "--attention-dropout", str(run.dropout)]
         notes.append(f"dropout {run.dropout} (for loss parity)")
+    for added, why in run.extra:
+        flags += list(added)
+        notes.append(f"{' '.join(added)} ({why})")
     if run.initial_loss_scale is not None and "--fp16" in flags:
         flags += ["--initial-loss-scale", str(run.initial_loss_scale)]
         notes.append(f"fp16's initial loss scale {run.initial_loss_scale:g} (for loss parity: no step overflows, so "
