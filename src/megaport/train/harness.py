@@ -416,8 +416,13 @@ def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torc
         (optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss).backward()
         if has_ddp and hasattr(model, "finish_grad_sync"):
             model.finish_grad_sync()
+        if not megatron_optimizer:
+            # A torch optimizer gives no norm: the gradients' L2 norm, as upstream's clipping takes it.
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in model.parameters()
+                                                         if p.grad is not None]))
         result = optimizer.step()
-        norm = result[1] if megatron_optimizer and isinstance(result, tuple) and len(result) > 1 else None
+        if megatron_optimizer:
+            norm = result[1] if isinstance(result, tuple) and len(result) > 1 else None
         grad_norms.append(None if norm is None else float(norm))
         value = loss.item()
         if gpu:
