@@ -81,11 +81,17 @@ class _PyTorchNamespace(_Namespace):
         return super().__getattr__(name)
 
 
+def _module_getattr(name: str):
+    """``transformer_engine.<name>`` for any name the module does not define."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(_Namespace("transformer_engine"), name)
+
+
 def _fill(module) -> None:
     module.__version__ = VERSION
     module.pytorch = _PyTorchNamespace("transformer_engine.pytorch")
-    module.__getattr__ = lambda name: getattr(_Namespace("transformer_engine"), name) \
-        if not name.startswith("__") else (_ for _ in ()).throw(AttributeError(name))
+    module.__getattr__ = _module_getattr
 
 
 class _StubDistribution(importlib.metadata.Distribution):
