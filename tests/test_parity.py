@@ -57,3 +57,11 @@ def test_iterations_only_one_run_logged_are_listed_and_too_few_common_ones_fail(
     assert not any("logged by both" in p for p in problems)  # the shorter run's 20 are all compared
     compared, problems = _problems(_run(LEARNING, NORMS, start=100), _run(LEARNING, NORMS))
     assert compared["iterations"] == [] and any("only 0 iterations logged by both" in p for p in problems)
+
+
+def test_an_era_whose_log_has_no_grad_norm_compares_the_loss_alone():
+    """v2.0's log prints no grad norm: neither run has one, the loss decides (and still can fail)."""
+    compared, problems = _problems(_run(LEARNING, [None] * 60), _run(LEARNING, [None] * 60))
+    assert problems == [] and not compared["grad_norm_compared"] and not compared["grad_norm_logged"]
+    _, problems = _problems(_run([v * 1.02 for v in LEARNING], [None] * 60), _run(LEARNING, [None] * 60))
+    assert len(problems) == 1 and "losses differ" in problems[0]

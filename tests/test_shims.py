@@ -117,6 +117,21 @@ def test_the_two_view_failures_are_told_apart_by_the_frame_that_raised(tmp_path)
     assert registry.pick([attention], []) == "fork-attention-view"
 
 
+def test_the_raising_frame_is_the_trees_not_megaports_cpu_placement_or_torchs():
+    """On a CPU run megaport's placement mode and torch's dispatch sit between upstream's line and
+    the error (as recorded from 2022-02's unported backward)."""
+    from megaport.train.failure import Frame
+
+    plumbing = str(SRC / "megaport" / "train" / "cpu.py")
+    found = failure.Failure("RuntimeError", "view size is not compatible with input tensor's size and stride", (
+        Frame(plumbing, 121, "backward", "return real(self, *args)"),
+        Frame("/venv/lib/python3.12/site-packages/torch/autograd/function.py", 325, "apply", "return user_fn(self, *args)"),
+        Frame("/tmp/megaport-upstream-x/megatron/mpu/layers.py", 227, "backward",
+              "grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1],"),
+        Frame(plumbing, 106, "__torch_function__", "return func(*args, **kwargs)")))
+    assert registry.pick([found], ["stack", "apex"]) == "wgrad-contiguous"
+
+
 def test_the_kernel_build_is_answered_by_the_file_that_failed(tmp_path):
     tree = _fake_upstream(tmp_path, {"megatron/__init__.py": "", "megatron/fused_kernels/__init__.py": """
         import os

@@ -3,8 +3,22 @@ raised (the raising frame's line of code, or a file on the way), never a log's d
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+# Frames between the line that failed and the error that are not the tree's: megaport's own (the CPU
+# placement mode sees every torch call on a CPU run) and torch's dispatch.
+_PLUMBING = (str(Path(__file__).resolve().parents[2]), f"{os.sep}torch{os.sep}")
+
+
+def raising_frame(frames):
+    """The innermost frame of the tree's own code: where a torch call it made failed."""
+    for frame in reversed(frames):
+        if not any(part in frame.file for part in _PLUMBING):
+            return frame
+    return frames[-1] if frames else None
 
 
 @dataclass(frozen=True)
@@ -13,7 +27,7 @@ class Match:
 
     ``module`` is matched whole against ``ImportError.name`` (the module that was missing);
     ``message`` is searched in the exception's own message; ``code`` in the line of code of the
-    frame that raised it; ``file`` in the file of any of its frames."""
+    frame that raised it (:func:`raising_frame`); ``file`` in the file of any of its frames."""
 
     exception: tuple | None  # the exception's type names; None: any type
     module: str | None = None
@@ -31,6 +45,7 @@ class Match:
             return False
         if self.message is not None and not re.search(self.message, one.message):
             return False
-        if self.code is not None and not (one.frames and re.search(self.code, one.frames[-1].code)):
+        raising = raising_frame(one.frames)
+        if self.code is not None and not (raising and re.search(self.code, raising.code)):
             return False
         return self.file is None or any(re.search(self.file, f.file) for f in one.frames)
