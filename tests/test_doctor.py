@@ -174,3 +174,35 @@ def test_doctor_reports_deepspeed_in_its_json(tmp_path):
            deepspeed_status=status)
     assert json.loads(out.read_text())["deepspeed"] == status
     assert "0.19.8 (accelerator cpu" in (tmp_path / "out.txt").read_text()
+
+
+RDNA3 = {**MI300, "gpus": [{"index": 0, "name": "AMD Radeon RX 7900 XTX", "arch": "gfx1100", "memory_gib": 24.0}],
+         "arch_list": ["gfx1100"], "driver": {**DRIVER_AMD, "kfd_gfx": ["gfx1100"]},
+         "attention": {"gpu": {"flash": False, "efficient": False, "flash_error": "No available kernel."}}}
+
+
+def test_rdna3_needs_aotritons_experimental_switch_for_flash_attention():
+    found = codes(RDNA3)
+    assert set(found) == {"aotriton-experimental-off"}
+    assert "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1" in found["aotriton-experimental-off"].fix
+    switched_on = {**RDNA3, "attention": {"gpu": {"flash": True, "efficient": True}}}
+    assert codes(switched_on, {"TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL": "1"}) == {}
+
+
+def test_a_gpu_without_fused_attention_kernels_is_named():
+    no_kernels = {**MI300, "attention": {"gpu": {"flash": False, "efficient": False, "flash_error": "not built"}}}
+    found = codes(no_kernels)
+    assert set(found) == {"sdpa-math-only"} and "not built" in found["sdpa-math-only"].message
+    assert codes({**MI300, "attention": {"gpu": {"flash": True, "efficient": True}}}) == {}
+
+
+def test_the_report_names_the_attention_kernel_per_device():
+    rows = dict(devices.summary_rows({**MI300, "attention": {"gpu": {"flash": False, "efficient": True},
+                                                              "cpu": {"flash": True}}}))
+    assert "memory-efficient" in rows["attention (GPU)"] and "flash" in rows["attention (CPU)"]
+
+
+def test_this_machines_probe_runs_sdpa_on_the_cpu():
+    info = devices.probe()
+    if info.get("torch"):
+        assert info["attention"]["cpu"]["flash"] is True, info["attention"]

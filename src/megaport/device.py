@@ -122,6 +122,31 @@ def _triton_version() -> str | None:
     return str(getattr(triton, "__version__", "installed"))
 
 
+#: RDNA3 GPUs, whose AOTriton attention kernels PyTorch ships as experimental: without
+#: TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 scaled_dot_product_attention takes its math path there.
+AOTRITON_EXPERIMENTAL_ARCHS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")
+AOTRITON_EXPERIMENTAL_ENV = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
+
+
+def _attention_probe(torch, device: str) -> dict:
+    """Whether scaled_dot_product_attention's flash kernel runs here (bf16, causal, head dim 64,
+    forward and backward): the port's core attention takes it where it does, and the memory-efficient
+    or math kernel otherwise. Asked by running it with only that kernel allowed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            q = torch.randn(1, 2, 128, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+            with sdpa_kernel([backend]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+            out[name] = True
+        except Exception as exc:  # noqa: BLE001 - the kernel is not built for this device or input
+            out[name] = False
+            out[f"{name}_error"] = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return out
+
+
 def probe() -> dict:
     """Everything this interpreter's torch says about the machine; never raises."""
     info: dict = {
@@ -179,6 +204,9 @@ def probe() -> dict:
             info["arch_list"] = list(torch.cuda.get_arch_list())
         except Exception:  # noqa: BLE001
             info["arch_list"] = None
+    info["attention"] = {"cpu": _attention_probe(torch, "cpu")}
+    if available and count:
+        info["attention"]["gpu"] = _attention_probe(torch, "cuda")
     try:
         import torch.distributed as dist
 
@@ -248,6 +276,12 @@ def summary_rows(info: dict) -> list[tuple[str, str]]:
         triton = info.get("triton")
         rows.append(("Triton", f"{triton} (the port's softmax is compiled with it on GPUs)" if triton
                      else "not importable: the port's softmax runs its eager path"))
+    attention = info.get("attention") or {}
+    for where in ("gpu", "cpu"):
+        found = attention.get(where)
+        if found:
+            kernel = "flash" if found.get("flash") else "memory-efficient" if found.get("efficient") else "math"
+            rows.append((f"attention ({where.upper()})", f"scaled_dot_product_attention takes its {kernel} kernel"))
     collective = info.get("collective")
     if collective:
         rows.append((collective["name"], collective.get("version") or "version unknown"))

@@ -912,6 +912,205 @@ class ScaledSoftmax(torch.autograd.Function):
         return _scaled_softmax_backward(grad_output, y, ctx.scale), None
 
 
+# ---------------------------------------------------------------------------------
+# Core attention through scaled_dot_product_attention
+# ---------------------------------------------------------------------------------
+
+# Megatron's local core attention (DotProductAttention, the legacy CoreAttention) is two batched
+# GEMMs around the masked softmax: the full [b, np, sq, sk] score matrix is written, read, written
+# again as probabilities and read once more, in fp32 where the kernel semantics ask for it. Where
+# upstream asks for the fused path (--masked-softmax-fusion, its default) the port computes the
+# same attention with one torch.nn.functional.scaled_dot_product_attention call instead: flash
+# attention on ROCm (AOTriton, MI200/MI300) and on the CPU, memory-efficient attention elsewhere,
+# the math path last. Same softmax scale (apply_query_key_layer_scaling's coefficient cancels, as
+# in the kernel), causal and padding masks, fully masked rows as the era has them, GQA without
+# repeating K/V, MLA's value head dim, attention dropout under Megatron's RNG tracker. What SDPA
+# cannot express (additive biases, sliding windows, softmax offsets, packed sequences) runs the
+# kernel-exact softmax path above, said once. MEGATRON_ROCM_PORT_SDPA=0 or --attention-backend
+# local|unfused keep that path everywhere.
+SDPA_ENV = "MEGATRON_ROCM_PORT_SDPA"
+_KERNEL_EXACT_BACKENDS = ("local", "unfused")
+
+
+def sdpa_enabled() -> bool:
+    """False when the user asked for the kernel-exact softmax path (MEGATRON_ROCM_PORT_SDPA=0)."""
+    return os.environ.get(SDPA_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def sdpa_backend(query, key, value, mask, dropout_p: float, causal: bool, scale: float, gqa: bool) -> str:
+    """Which of SDPA's kernels these inputs take: flash, efficient, cudnn or math ("unknown" where
+    this torch cannot say). Asked once per layout; the training log names it."""
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+    try:
+        kwargs = {"enable_gqa": True} if gqa else {}
+        choice = torch._fused_sdp_choice(query, key, value, mask, dropout_p, causal, scale=scale, **kwargs)
+        return names.get(int(choice), "unknown")
+    except Exception:  # a private helper: its absence must never stop training
+        return "unknown"
+
+
+def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=None, dropout_p: float = 0.0,
+                        zero_dead_rows: bool = True):
+    """Megatron's core attention in one SDPA call.
+
+    ``query`` [sq, b, np, dk], ``key`` [sk, b, ng, dk], ``value`` [sk, b, ng, dv] (ng divides np:
+    GQA); ``mask`` None or bool broadcastable to [b, np, sq, sk], True = masked (Megatron's
+    convention); ``causal`` ignores ``mask``, as the causal kernel does. Returns the context
+    [sq, b, np * dv]. A fully masked row gives zeros where ``zero_dead_rows`` (the kernel since
+    2022-07) and otherwise the mean of the values (the uniform row of the softmax of -10000.0s).
+    """
+    sq, b, heads, dk = query.shape
+    groups, dv = key.shape[2], value.shape[3]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
+    if dv < dk:  # zero columns of V add zero columns to the output: flash needs one head dim
+        v = torch.nn.functional.pad(v, (0, dk - dv))
+    elif dk < dv:  # zero columns of Q and K change no score
+        q, k = (torch.nn.functional.pad(t, (0, dv - dk)) for t in (q, k))
+    allowed, dead = None, None
+    if mask is not None and not causal:
+        if mask.dtype != torch.bool:
+            mask = mask != 0
+        dead = mask.all(dim=-1, keepdim=True)
+        allowed = ~(mask & ~dead)  # a dead row attends everywhere (no NaN), then is overwritten
+    kwargs = {"enable_gqa": True} if groups != heads else {}
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs)
+    if dead is not None:
+        if zero_dead_rows:
+            out = out.masked_fill(dead, 0.0)
+        else:
+            mean = v.mean(dim=-2, keepdim=True)
+            if groups != heads:
+                mean = mean.repeat_interleave(heads // groups, dim=1)
+            out = torch.where(dead, mean.to(out.dtype), out)
+    if out.shape[-1] != dv:
+        out = out[..., :dv]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
+
+
+def _kernel_exact_reason(core, config, extras: dict) -> str | None:
+    """Why this core attention call keeps the softmax path, or None when SDPA computes it."""
+    softmax = getattr(core, "scale_mask_softmax", None)
+    if not sdpa_enabled():
+        return f"{SDPA_ENV}=0"
+    backend = getattr(getattr(config, "attention_backend", None), "name", None)
+    if backend in _KERNEL_EXACT_BACKENDS:
+        return f"--attention-backend {backend}"
+    if softmax is None or not getattr(softmax, "scaled_masked_softmax_fusion", False):
+        return "--no-masked-softmax-fusion (upstream's unfused attention, as asked)"
+    if getattr(softmax, "window_size", None) is not None:
+        return "a sliding attention window"
+    if getattr(core, "softmax_offset", None) is not None:
+        return "a softmax offset (--softmax-type off-by-one|learnable)"
+    for name in ("attention_bias", "packed_seq_params", "alibi"):
+        if extras.get(name) is not None:
+            return name.replace("_", " ")
+    return None
+
+
+def _core_attention_scale(core) -> float:
+    """The scale on Q·K: the GEMM's alpha times the softmax's own scale (the layer-scaling
+    coefficient, which cancels)."""
+    alpha = getattr(core, "softmax_scale", None)
+    if alpha is None:
+        alpha = 1.0 / core.norm_factor
+    return float(alpha) * _scale_value(getattr(core.scale_mask_softmax, "scale", None))
+
+
+def _rng_tracker(core):
+    """Megatron's model-parallel RNG tracker, from the core attention's own module (the
+    ``tensor_parallel`` package, or ``mpu`` in 2020-2022 trees)."""
+    scope = sys.modules[type(core).__module__].__dict__
+    for name in ("tensor_parallel", "mpu"):
+        owner = scope.get(name)
+        if owner is not None and hasattr(owner, "get_cuda_rng_tracker"):
+            return owner.get_cuda_rng_tracker()
+    return None
+
+
+def _attention_through_sdpa(core, config, query, key, value, attention_mask, attn_mask_type):
+    """Run one core attention call through :func:`sdpa_core_attention`; None when its masks or
+    shapes need the softmax path (causal with sq != sk, a float mask outside fp16/bf16)."""
+    softmax = core.scale_mask_softmax
+    causal = getattr(attn_mask_type, "name", str(attn_mask_type)) == "causal"
+    sixteen_bit = bool(getattr(softmax, "input_in_float16", False))
+    if causal and query.shape[0] != key.shape[0]:
+        return None
+    if causal and attention_mask is not None and not sixteen_bit:
+        causal = False  # upstream's torch path (fp32) applies the given mask, not the kernel's triangle
+    if not causal and attention_mask is not None and attention_mask.dtype != torch.bool:
+        return None
+    dropout = core.attention_dropout.p if core.training else 0.0
+    scale = _core_attention_scale(core)
+    kwargs = dict(scale=scale, causal=causal, mask=None if causal else attention_mask, dropout_p=dropout,
+                  zero_dead_rows=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)
+    key_name = (query.device.type, query.dtype, key.shape[2] != query.shape[2], causal, dropout > 0)
+    if key_name not in _SDPA_SAID:
+        _SDPA_SAID.add(key_name)
+        q = query.permute(1, 2, 0, 3)
+        chosen = sdpa_backend(q, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), None, dropout, causal, scale,
+                              key.shape[2] != query.shape[2])
+        say_once(f"core attention: torch scaled_dot_product_attention ({chosen} backend on {query.device.type}, "
+                 f"{str(query.dtype).replace('torch.', '')}, {'causal' if causal else 'padding'} mask) in place of "
+                 "the fused softmax and two batched GEMMs")
+    tracker = _rng_tracker(core) if dropout > 0 and not getattr(config, "sequence_parallel", False) else None
+    if tracker is None:
+        return sdpa_core_attention(query, key, value, **kwargs)
+    with tracker.fork():
+        return sdpa_core_attention(query, key, value, **kwargs)
+
+
+_SDPA_SAID = set()
+
+
+def _route_core_attention_through_sdpa(cls, forward_names: tuple) -> None:
+    """Wrap ``cls.forward`` (upstream's core attention) so that each call runs through SDPA where
+    :func:`_kernel_exact_reason` allows it, and through upstream's own forward (with the port's
+    softmax) otherwise. ``forward_names``: the names of query, key, value, mask in its signature."""
+    if cls is None or getattr(cls, "_rocm_port_sdpa", False):
+        return
+    original = cls.forward
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        config = getattr(self, "config", None)
+        reason = _kernel_exact_reason(self, config, bound)
+        if reason is None:
+            query, key, value, mask = (bound.get(n) for n in forward_names)
+            mask_type = bound.get("attn_mask_type") or self.attn_mask_type
+            out = _attention_through_sdpa(self, config, query, key, value, mask, mask_type)
+            if out is not None:
+                return out
+            reason = "this call's mask or shape"
+        say_once(f"core attention: the port's softmax path ({reason})")
+        return original(self, *args, **kwargs)
+
+    cls.forward = forward
+    cls._rocm_port_sdpa = True
+
+
+def _sdpa_in_dot_product_attention(module) -> None:
+    _route_core_attention_through_sdpa(getattr(module, "DotProductAttention", None),
+                                       tuple(list(inspect.signature(module.DotProductAttention.forward).parameters)[1:5]))
+
+
+def _sdpa_in_legacy_core_attention(module) -> None:
+    cls = getattr(module, "CoreAttention", None)
+    if cls is not None:
+        _route_core_attention_through_sdpa(cls, tuple(list(inspect.signature(cls.forward).parameters)[1:5]))
+
+
+# The after-import steps that route core attention through SDPA (defined here, beside the code
+# they serve; the table above is read when each module loads, after this module has run).
+_AFTER_IMPORT_ALWAYS.update({
+    "megatron.core.transformer.dot_product_attention": _sdpa_in_dot_product_attention,
+    "megatron.legacy.model.transformer": _sdpa_in_legacy_core_attention,
+    "megatron.model.transformer": _sdpa_in_legacy_core_attention,
+})
+
+
 def warp_size() -> int:
     """The GPU's warp (wavefront) size: 64 on AMD gfx9 GPUs, 32 on NVIDIA GPUs."""
     try:

@@ -1,0 +1,256 @@
+"""Core attention through scaled_dot_product_attention (rocm_port's SDPA path).
+
+Checked against an fp64 reference of Megatron's unfused core attention written here (two GEMMs
+around the masked softmax with the kernels' semantics: masked elements -10000.0, causal future
+exact zeros, fully masked rows zero or uniform by era), forward and backward, for every mask
+kind, dtype and head layout the port routes through SDPA; and the routing itself on a core
+attention shaped like upstream's (what runs, what falls back, what the log says).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import megaport.replacements as replacements  # noqa: E402
+
+SOURCE = Path(replacements.__file__).with_name("rocm_port.py")
+# relative to the reference's largest magnitude; bf16 rounds the inputs and the output once each
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+LAYOUTS = {  # (heads, groups, qk head dim, v head dim)
+    "mha": (4, 4, 16, 16),
+    "gqa": (4, 2, 16, 16),
+    "mqa": (4, 1, 16, 16),
+    "mla-v-narrower": (4, 4, 24, 16),
+    "mla-v-wider": (4, 4, 16, 24),
+}
+
+
+@pytest.fixture(scope="module")
+def rp():
+    spec = importlib.util.spec_from_file_location(f"_rocm_port_sdpa_{uuid.uuid4().hex}", SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    module.uninstall_import_blocker()
+
+
+def reference(q, k, v, scale, causal, mask, zero_dead_rows):
+    """Megatron's unfused core attention in fp64: [s, b, n, d] in, [sq, b, n*dv] out."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    heads, groups = q.shape[1], k.shape[1]
+    k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * scale
+    sq, sk = scores.shape[-2:]
+    if causal:
+        future = torch.ones(sq, sk, dtype=torch.bool).triu(1)
+        probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+    elif mask is not None:
+        probs = torch.softmax(scores.masked_fill(mask, -10000.0), dim=-1)
+        if zero_dead_rows:
+            probs = probs.masked_fill(mask.all(-1, keepdim=True), 0.0)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs @ v
+    return out.permute(2, 0, 1, 3).reshape(sq, q.shape[0], -1)
+
+
+def inputs(layout, dtype, sq=24, sk=24, b=2, seed=0):
+    heads, groups, dk, dv = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, b, heads, dk, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(sk, b, groups, dk, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(sk, b, groups, dv, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def padding_mask(b, sq, sk, dead_rows=True, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, 1, sq, sk, generator=g) < 0.3
+    if dead_rows:
+        mask[0, 0, 3] = True  # a fully masked query row, as BERT's padded positions give
+        mask[1, 0, -1] = True
+    return mask
+
+
+def close(actual, expected, dtype, what):
+    err = (actual.double() - expected).abs().max().item()
+    bound = TOL[dtype] * max(1.0, expected.abs().max().item())
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", ["causal", "padding", "padding-uniform-rows", "none"])
+def test_sdpa_matches_fp64_reference_forward_and_backward(rp, kind, layout, dtype):
+    q, k, v = inputs(layout, dtype)
+    mask = padding_mask(2, 24, 24) if kind.startswith("padding") else None
+    zero = kind != "padding-uniform-rows"
+    scale = 1 / math.sqrt(q.shape[-1]) * 0.9
+    out = rp.sdpa_core_attention(q, k, v, scale=scale, causal=kind == "causal", mask=mask, zero_dead_rows=zero)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(qr, kr, vr, scale, kind == "causal", mask, zero)
+    assert out.dtype == dtype and out.shape == ref.shape
+    close(out, ref, dtype, "forward")
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
+    out.backward(grad.to(dtype))
+    ref.backward(grad.double())
+    for name, got, want in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
+        close(got, want, dtype, name)
+
+
+def test_fully_masked_rows_follow_the_era(rp):
+    q, k, v = inputs("gqa", torch.float32)
+    mask = padding_mask(2, 24, 24)
+    zero = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=False, mask=mask, zero_dead_rows=True)
+    uniform = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=False, mask=mask, zero_dead_rows=False)
+    assert torch.count_nonzero(zero[3, 0]) == 0
+    v_mean = v[:, 0].mean(0).repeat_interleave(2, dim=0).reshape(-1)  # each head's group's mean value
+    torch.testing.assert_close(uniform[3, 0], v_mean)
+    assert torch.isfinite(zero).all() and torch.isfinite(uniform).all()
+
+
+def test_causal_ignores_the_mask_as_the_kernel_does(rp):
+    q, k, v = inputs("mha", torch.bfloat16)
+    everything_masked = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    a = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=True, mask=everything_masked)
+    b = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=True)
+    assert torch.equal(a, b)
+
+
+def test_sdpa_agrees_with_the_ports_kernel_exact_softmax_path(rp):
+    """The two paths the port has: SDPA and the kernel replacement plus two GEMMs."""
+    q, k, v = inputs("mha", torch.float16, sq=32, sk=32)
+    mask = padding_mask(2, 32, 32)
+    scale = 0.125
+    scores = torch.matmul(q.permute(1, 2, 0, 3), k.permute(1, 2, 3, 0)).float() * 1.0
+    probs = rp.ScaledMaskedSoftmax.apply(scores.half(), mask, scale)
+    kernel_path = (probs @ v.permute(1, 2, 0, 3)).permute(2, 0, 1, 3).reshape(32, 2, -1)
+    sdpa = rp.sdpa_core_attention(q, k, v, scale=scale, causal=False, mask=mask,
+                                  zero_dead_rows=rp.FULLY_MASKED_ROWS_ARE_ZERO)
+    torch.testing.assert_close(sdpa.float(), kernel_path.float(), atol=4e-3, rtol=4e-3)
+
+
+def test_backend_is_named(rp):
+    q, k, v = (t.permute(1, 2, 0, 3) for t in inputs("mha", torch.bfloat16))
+    name = rp.sdpa_backend(q, k, v, None, 0.0, True, 0.25, False)
+    assert name in ("flash", "efficient", "math", "cudnn", "unknown")
+    if not torch.cuda.is_available():
+        assert name == "flash", "torch's CPU flash kernel should take bf16 causal attention"
+
+
+# --- routing, on a core attention shaped like upstream's DotProductAttention -----------------
+
+class _Softmax:
+    def __init__(self, fusion=True, fp16=False, bf16=True, scale=None, window_size=None):
+        self.scaled_masked_softmax_fusion = fusion
+        self.input_in_float16 = fp16 or bf16
+        self.scale = scale
+        self.window_size = window_size
+
+
+class _Enum:
+    def __init__(self, name):
+        self.name = name
+
+
+def _core_class():
+    class DotProductAttention(torch.nn.Module):
+        calls = 0
+
+        def __init__(self, softmax, mask_type="causal", dropout=0.0, config=None):
+            super().__init__()
+            self.scale_mask_softmax = softmax
+            self.attn_mask_type = _Enum(mask_type)
+            self.attention_dropout = torch.nn.Dropout(dropout)
+            self.softmax_scale = 0.25 / (softmax.scale or 1.0)
+            self.config = config
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            type(self).calls += 1
+            return torch.zeros(query.shape[0], query.shape[1], query.shape[2] * value.shape[3], dtype=query.dtype)
+
+    return DotProductAttention
+
+
+@pytest.fixture
+def routed(rp, monkeypatch, capsys):
+    rp._SAID.clear()
+    rp._SDPA_SAID.clear()
+    cls = _core_class()
+    rp._route_core_attention_through_sdpa(cls, ("query", "key", "value", "attention_mask"))
+    return cls
+
+
+def test_routing_runs_sdpa_with_the_cores_scale_and_says_so(rp, routed, capsys):
+    core = routed(_Softmax(scale=3.0))  # layer scaling: alpha 0.25/3 times the softmax's 3
+    q, k, v = inputs("gqa", torch.bfloat16)
+    out = core(q, k, v, None)
+    assert routed.calls == 0, "upstream's forward ran: SDPA did not"
+    ref = reference(q.detach(), k.detach(), v.detach(), 0.25, True, None, True)
+    close(out, ref, torch.bfloat16, "routed forward")
+    log = capsys.readouterr().out
+    assert "> ROCm port: core attention: torch scaled_dot_product_attention (" in log
+    assert "causal mask" in log
+
+
+@pytest.mark.parametrize("why, make", [
+    ("MEGATRON_ROCM_PORT_SDPA=0", lambda cls, mp: (mp.setenv("MEGATRON_ROCM_PORT_SDPA", "0"), cls(_Softmax()))[1]),
+    ("--attention-backend unfused",
+     lambda cls, mp: cls(_Softmax(), config=type("C", (), {"attention_backend": _Enum("unfused")})())),
+    ("--no-masked-softmax-fusion", lambda cls, mp: cls(_Softmax(fusion=False))),
+    ("sliding attention window", lambda cls, mp: cls(_Softmax(window_size=(8, 0)))),
+])
+def test_routing_keeps_the_softmax_path_and_says_why(rp, routed, monkeypatch, capsys, why, make):
+    core = make(routed, monkeypatch)
+    q, k, v = inputs("mha", torch.bfloat16)
+    core(q, k, v, None)
+    assert routed.calls == 1, "SDPA ran where the softmax path was asked for"
+    assert why in capsys.readouterr().out
+
+
+def test_routing_keeps_the_softmax_path_for_an_attention_bias(rp, routed, capsys):
+    core = routed(_Softmax())
+    q, k, v = inputs("mha", torch.bfloat16)
+    core(q, k, v, None, attention_bias=torch.zeros(1))
+    assert routed.calls == 1
+    assert "attention bias" in capsys.readouterr().out
+
+
+def test_routing_padding_mask_in_fp32_keeps_uniform_rows(rp, routed):
+    """fp32 never took the kernel: upstream's torch softmax gives a fully masked row uniformly."""
+    core = routed(_Softmax(bf16=False), mask_type="padding")
+    q, k, v = inputs("mha", torch.float32)
+    mask = padding_mask(2, 24, 24)
+    out = core(q, k, v, mask)
+    close(out, reference(q.detach(), k.detach(), v.detach(), 0.25, False, mask, False), torch.float32, "fp32 padding")
+
+
+def test_dropout_runs_under_the_cores_rng_tracker(rp, routed, monkeypatch):
+    forks = []
+
+    class Tracker:
+        def fork(self):
+            import contextlib
+            forks.append(1)
+            return contextlib.nullcontext()
+
+    import sys
+    module = sys.modules[routed.__module__]
+    monkeypatch.setattr(module, "tensor_parallel", type("TP", (), {"get_cuda_rng_tracker": staticmethod(Tracker)}),
+                        raising=False)
+    core = routed(_Softmax(), dropout=0.5)
+    q, k, v = inputs("mha", torch.float32)
+    core.train()
+    out = core(q, k, v, None)
+    assert forks == [1]
+    core.eval()
+    assert torch.equal(core(q, k, v, None), core(q, k, v, None))
+    assert not torch.equal(out, core(q, k, v, None)), "dropout 0.5 in training changed nothing"
