@@ -276,3 +276,29 @@ def test_apex_shim_agrees_with_torch_in_mixed_precision_and_backward():
     for mine, theirs, tensor in zip(got, ref, (x, w, b)):
         assert mine.dtype == tensor.dtype
         torch.testing.assert_close(mine.double(), theirs.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_the_baseline_runs_the_same_megaport_as_the_process_comparing_with_it(tmp_path, monkeypatch):
+    """A source checkout (a maintainer's, a worktree's): the baseline's processes import megaport
+    from the same folder, so its shims and launcher are the ones that judge its failures; the
+    tree's PYTHONPATH never reaches them."""
+    from megaport.train import baseline
+
+    repo = tmp_path / "upstream"
+    repo.mkdir()
+    (repo / "pretrain_gpt.py").write_text("print('unported')\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "unported"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    monkeypatch.setenv("PYTHONPATH", str(repo))
+    with baseline.unported_upstream(str(repo), sha) as (folder, env):
+        assert (Path(folder) / "pretrain_gpt.py").read_text() == "print('unported')\n"
+        paths = env.get("PYTHONPATH", "").split(os.pathsep)
+        assert str(repo) not in paths
+        if "site-packages" not in str(SRC):
+            assert paths == [str(SRC)]
+        code = "import megaport, os; print(os.path.dirname(os.path.dirname(megaport.__file__)))"
+        where = subprocess.run([sys.executable, "-c", code], env=env, cwd=folder, capture_output=True, text=True)
+        assert where.stdout.strip() == str(SRC), where.stderr

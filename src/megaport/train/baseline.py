@@ -27,7 +27,27 @@ def unported_upstream(tree, sha: str):
     without the tree's PYTHONPATH: ``(folder, env)``."""
     with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as folder:
         export_commit(tree, sha, folder)
-        yield folder, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        own = megaport_import_path()
+        if own:
+            env["PYTHONPATH"] = own
+        yield folder, env
+
+
+def megaport_import_path() -> str | None:
+    """The folder this megaport imports from where it is not an installed package (a source
+    checkout on PYTHONPATH): the baseline's processes then run the same megaport (its launcher,
+    CPU substitutions and shims) as the process comparing with them, not whichever copy the
+    environment has installed. None for an installed megaport: site-packages stays where it is."""
+    import site
+    import sysconfig
+
+    import megaport
+
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(megaport.__file__)))
+    installed = {os.path.abspath(p) for p in [*site.getsitepackages(), site.getusersitepackages(),
+                                             sysconfig.get_path("purelib"), sysconfig.get_path("platlib")] if p}
+    return None if folder in installed else folder
 
 
 def with_fewest_shims(start, env: dict, *, attempts: int = 8) -> tuple:
