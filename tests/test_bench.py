@@ -97,6 +97,43 @@ def test_bench_train_compares_the_port_with_upstream_fusions_off(tmp_path, core_
     assert document["ratio"]["ms_per_iter"] == pytest.approx(ported["ms_per_iter"] / upstream["ms_per_iter"])
     assert subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True,
                           text=True).stdout == status_before
+    attention = document["attention"]
+    assert any("scaled_dot_product_attention" in line for line in attention["ported"]), attention
+    assert "unfused" in attention["upstream_fusions_off"]
+    assert "ported attention: torch scaled_dot_product_attention" in proc.stdout
+
+
+@pytest.mark.upstream
+def test_bench_attention_times_sdpa_the_ports_softmax_and_upstreams_unfused_path(tmp_path, core_upstream):
+    pytest.importorskip("torch")
+    tree = tmp_path / "tree"
+    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
+                                        "--dest", str(tree)], catch_exceptions=False)
+    assert applied.exit_code == 0, applied.output
+    report = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, "-m", "megaport.cli", "bench", "--attention", str(tree), "--device", "cpu",
+                           "--shapes", "1,4,64;1,4,128", "--head-dim", "32", "--groups", "2", "--dtype", "bf16",
+                           "--repeats", "2", "--json", str(report)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    document = json.loads(report.read_text())
+    assert [(r["seq"], r["dtype"]) for r in document["results"]] == [(64, "bf16"), (128, "bf16")]
+    for row in document["results"]:
+        for variant in ("sdpa", "port_softmax", "upstream_unfused"):
+            assert row[f"{variant}_ms"] > 0 and len(row["samples_ms"][variant]) == 2
+            assert row[f"{variant}_peak_mib"] is not None
+        assert row["sdpa_vs_unfused"] == pytest.approx(row["sdpa_ms"] / row["upstream_unfused_ms"], rel=1e-2)
+        assert row["sdpa_backend"] in ("flash", "efficient", "math", "unknown")
+    assert "sdpa/unfused" in proc.stdout
+
+
+def test_bench_attention_refuses_bad_shapes_and_groups(tmp_path):
+    from test_verify_cli import fake_tree
+
+    tree = str(fake_tree(tmp_path))
+    bad_shape = CliRunner().invoke(main, ["bench", "--attention", tree, "--shapes", "1,2"])
+    assert bad_shape.exit_code == 2 and "b,heads,seq" in bad_shape.output
+    bad_groups = CliRunner().invoke(main, ["bench", "--attention", tree, "--shapes", "1,4,64", "--groups", "3"])
+    assert bad_groups.exit_code == 2 and "--groups 3 must divide" in bad_groups.output
 
 
 def test_bench_train_refuses_sizes_that_cannot_work(tmp_path):

@@ -344,6 +344,13 @@ def doctor(json_file):
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="CPU threads for torch (torch.set_num_threads); default: torch's own choice.")
 @click.option("--json", "json_file", metavar="FILE", help="Also write the measurements as JSON ('-' for stdout).")
+@click.option("--attention", is_flag=True,
+              help="Benchmark core attention instead: the port's SDPA call, the port's softmax path and "
+                   "upstream's unfused path, fwd+bwd, per shape and dtype.")
+@click.option("--shapes", default="2,8,512;2,8,1024;2,8,2048", show_default=True,
+              help="--attention: b,heads,seq per shape, ';' between shapes.")
+@click.option("--head-dim", type=click.IntRange(1), default=64, show_default=True, help="--attention: head dim.")
+@click.option("--groups", type=click.IntRange(1), help="--attention: query groups (GQA) [one per head].")
 @click.option("--train", is_flag=True,
               help="Benchmark training instead: the port against upstream with its fusions off.")
 @click.option("--layers", type=click.IntRange(1), help="--train: transformer layers [GPU 8, CPU 2].")
@@ -361,8 +368,8 @@ def doctor(json_file):
                    "for CUDA-only plumbing), or megaport's harness on upstream's builders (trees from PyPI's "
                    "megatron-core); auto takes pretrain_gpt.py where the tree has it.")
 @handle_errors
-def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, train, layers, hidden, heads,
-          seq, batch, steps, warmup, rounds, entry):
+def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, attention, shapes, head_dim, groups,
+          train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -371,6 +378,11 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, t
     port's replacement) and forward_torch_softmax (upstream's fallback), forward +
     backward, medians over interleaved runs, peak memory, and achieved bandwidth
     against a plain copy of the same tensors.
+    \b
+    --attention: core attention, fwd+bwd, on [seq, b, heads, head-dim] query, key
+    and value: the port's scaled_dot_product_attention call, the port's softmax path
+    (two GEMMs around the kernel replacement) and upstream's unfused path, with
+    ms, peak memory and the ratios to unfused, per --shapes and --dtype.
     \b
     --train: the ported tree's own pretrain_gpt.py with the era's example flags
     (shrunk), and the tree's unported upstream commit with the fusions off (exported
@@ -381,6 +393,13 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, t
     \b
     Measures; never asserts.
     """
+    if attention:
+        from megaport.commands.bench_attention import AttentionBenchOptions, bench_attention
+
+        return bench_attention(AttentionBenchOptions(tree=tree, device=device, shapes=shapes, head_dim=head_dim,
+                                                     groups=groups, dtypes=dtypes, mask=mask_kind,
+                                                     repeats=repeats, json_file=json_file),
+                               _console(json_file))
     if train:
         from megaport.commands.bench_train import TrainBenchOptions, bench_train
 

@@ -153,10 +153,24 @@ def _document(tree, state, kind, info, sizes, ported_runs, upstream_runs) -> dic
             "peak_memory": (ported["peak_memory_bytes"] / upstream["peak_memory_bytes"]
                             if upstream["peak_memory_bytes"] else None),
         },
+        "attention": attention_paths(ported_runs[0].get("port_log") or ported_runs[0].get("log") or []),
         "loss_parity": loss_parity(ported, upstream),
         "peak_memory_kind": ported_runs[0].get("peak_memory_kind"),
         "substitutions": ported_runs[0].get("substitutions") or [],
     }
+
+
+#: What the fusions-off baseline's core attention runs: upstream's own unfused path.
+UPSTREAM_ATTENTION = ("upstream's unfused core attention: two batched GEMMs around torch's softmax over the full "
+                      "score matrix (--no-masked-softmax-fusion)")
+
+
+def attention_paths(port_log: list) -> dict:
+    """Which core attention each side ran: the ported run's own log lines about it (SDPA and its
+    kernel, or the softmax path and why), and upstream's unfused path."""
+    said = [line.split("core attention:", 1)[1].strip() for line in port_log if "core attention:" in line]
+    return {"ported": said or ["the port's softmax path (this tree's port does not route attention through SDPA)"],
+            "upstream_fusions_off": UPSTREAM_ATTENTION}
 
 
 def _table(console, document: dict) -> None:
@@ -183,6 +197,11 @@ def _table(console, document: dict) -> None:
     for step, a, b in zip(parity["iterations"], parity["ported"], parity["upstream"]):
         losses.add_row(str(step), f"{a:.4f}", f"{b:.4f}", f"{abs(a - b) / abs(b):.1e}")
     console.print(losses)
+    attention = document.get("attention") or {}
+    for line in attention.get("ported") or []:
+        console.print(f"ported attention: {line}")
+    if attention:
+        console.print(f"upstream attention: {attention['upstream_fusions_off']}")
     console.print(f"upstream run: {upstream['what']}")
     for shim in upstream.get("baseline_shims") or []:
         console.print(f"baseline shim: {shim}")
