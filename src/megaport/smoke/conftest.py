@@ -159,8 +159,8 @@ def pytest_report_header(config):
 
 # Imports first (a broken import explains every later failure), then kernels, substitutes,
 # distributed, training.
-FILE_ORDER = ("test_imports.py", "test_kernels.py", "test_apex_substitutes.py", "test_distributed.py",
-              "test_training.py")
+FILE_ORDER = ("test_imports.py", "test_kernels.py", "test_attention.py", "test_apex_substitutes.py",
+              "test_distributed.py", "test_training.py")
 
 
 def _file_rank(item) -> int:

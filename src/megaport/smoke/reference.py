@@ -73,3 +73,16 @@ def max_error(actual, expected) -> float:
     if expected.numel() == 0:
         return 0.0
     return (actual.double().to(expected.device) - expected).abs().max().item()
+
+
+def core_attention(q, k, v, scale: float, *, causal: bool = False, mask=None, zero_fully_masked: bool = True):
+    """Megatron's unfused core attention in fp64: ``q`` [sq, b, np, dk], ``k`` [sk, b, ng, dk], ``v``
+    [sk, b, ng, dv] (ng divides np: K/V repeated per group, as upstream does), the kernels' softmax
+    (:func:`softmax`) between the two GEMMs; context [sq, b, np * dv]."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    repeat = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+    probs = softmax(q @ k.transpose(-1, -2), scale, mask=None if causal else mask, causal=causal,
+                    zero_fully_masked=zero_fully_masked)
+    out = probs @ v
+    return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
