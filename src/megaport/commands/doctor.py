@@ -53,26 +53,49 @@ def _archs(info: dict) -> list[str]:
     return archs or list((info.get("driver") or {}).get("kfd_gfx") or [])
 
 
-def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> list[Finding]:
-    findings: list[Finding] = []
-    rocm_machine = _rocm_machine(info)
-    build = info.get("build")
-    driver = info.get("driver") or {}
-    rocm_context = rocm_machine or build == "rocm"
+@dataclass
+class Machine:
+    """What every check reads: the probe, the environment, and what follows from them."""
 
-    # torch: present, and the right build for the machine.
-    if not info.get("torch"):
-        findings.append(Finding(
-            "error", "torch-missing", f"torch is not importable ({info.get('torch_error', 'unknown error')})",
-            f"install your platform's torch build (megaport never installs it): on ROCm {ROCM_TORCH}"))
-    elif rocm_machine and build in ("cuda", "cpu"):
-        findings.append(Finding(
-            "error", f"torch-{build}-on-rocm",
-            f"torch {info['torch']} is a {build.upper() if build == 'cuda' else 'CPU-only'} build, but this machine "
-            "has AMD's GPU driver (/dev/kfd): it cannot use the GPUs",
-            f"pip uninstall torch, then install ROCm's build: {ROCM_TORCH}"))
+    info: dict
+    environ: dict
+    pytest_available: bool = True
 
-    # Device access: /dev/kfd and /dev/dri are what ROCm opens (container: --device both).
+    @property
+    def build(self):
+        return self.info.get("build")
+
+    @property
+    def driver(self) -> dict:
+        return self.info.get("driver") or {}
+
+    @property
+    def rocm_machine(self) -> bool:
+        return _rocm_machine(self.info)
+
+    @property
+    def rocm_context(self) -> bool:
+        return self.rocm_machine or self.build == "rocm"
+
+
+def check_torch_build(m: Machine) -> list[Finding]:
+    """torch: present, and the right build for the machine."""
+    if not m.info.get("torch"):
+        return [Finding("error", "torch-missing", f"torch is not importable ({m.info.get('torch_error', 'unknown error')})",
+                        f"install your platform's torch build (megaport never installs it): on ROCm {ROCM_TORCH}")]
+    if m.rocm_machine and m.build in ("cuda", "cpu"):
+        return [Finding(
+            "error", f"torch-{m.build}-on-rocm",
+            f"torch {m.info['torch']} is a {m.build.upper() if m.build == 'cuda' else 'CPU-only'} build, but this "
+            "machine has AMD's GPU driver (/dev/kfd): it cannot use the GPUs",
+            f"pip uninstall torch, then install ROCm's build: {ROCM_TORCH}")]
+    return []
+
+
+def check_device_access(m: Machine) -> list[Finding]:
+    """/dev/kfd and /dev/dri are what ROCm opens (container: --device both); a ROCm torch that sees
+    no GPU names the visibility variables that hide them."""
+    findings, driver = [], m.driver
     if driver.get("kfd") and driver.get("kfd_access") is False:
         findings.append(Finding(
             "error", "kfd-permission", "/dev/kfd exists but this user cannot open it",
@@ -82,38 +105,47 @@ def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> lis
         findings.append(Finding(
             "error", "dri-missing", "/dev/kfd is present but /dev/dri is not: ROCm needs both",
             "start the container with --device=/dev/kfd --device=/dev/dri"))
-    if build == "rocm" and rocm_machine and not info.get("gpus") and driver.get("kfd_access") is not False:
-        hidden = {k: environ[k] for k in devices.VISIBILITY_VARIABLES if k in environ}
+    if m.build == "rocm" and m.rocm_machine and not m.info.get("gpus") and driver.get("kfd_access") is not False:
+        hidden = {k: m.environ[k] for k in devices.VISIBILITY_VARIABLES if k in m.environ}
         findings.append(Finding(
             "error", "no-gpu-visible",
             "torch is a ROCm build and the driver is loaded, but torch sees no GPU"
             + (f" ({', '.join(f'{k}={v!r}' for k, v in hidden.items())})" if hidden else ""),
             "check HIP_VISIBLE_DEVICES/ROCR_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES (an empty value hides every GPU) "
             "and 'rocminfo' / 'amd-smi list'"))
+    return findings
 
-    # The GPU's ISA must be one torch was compiled for (else: 'invalid device function' at the first kernel).
-    arch_list = info.get("arch_list") or []
-    if build == "rocm" and arch_list:
-        compiled = {_base_arch(a) for a in arch_list}
-        missing = sorted({a for a in _archs(info) if a and a not in compiled})
-        if missing and not environ.get("HSA_OVERRIDE_GFX_VERSION"):
-            findings.append(Finding(
-                "error", "arch-not-in-torch",
-                f"torch was built for {', '.join(sorted(compiled))}, not for this machine's {', '.join(missing)}: "
-                "kernels fail with 'invalid device function'",
-                "install a torch build (or ROCm release) that lists your GPU's gfx target"))
 
-    # Visibility variables. On ROCm, torch (torch/cuda/__init__.py _parse_visible_devices) and the HIP
-    # runtime prefer HIP_VISIBLE_DEVICES; ROCR_VISIBLE_DEVICES is applied first, below HIP.
-    hip_vis, cuda_vis, rocr_vis = (environ.get(k) for k in devices.VISIBILITY_VARIABLES)
-    if hip_vis is not None and cuda_vis is not None and hip_vis.replace(" ", "") != cuda_vis.replace(" ", "") \
-            and rocm_context:
+def check_gpu_arch(m: Machine) -> list[Finding]:
+    """The GPU's ISA must be one torch was compiled for (else: 'invalid device function' at the first kernel)."""
+    arch_list = m.info.get("arch_list") or []
+    if m.build != "rocm" or not arch_list:
+        return []
+    compiled = {_base_arch(a) for a in arch_list}
+    missing = sorted({a for a in _archs(m.info) if a and a not in compiled})
+    if not missing or m.environ.get("HSA_OVERRIDE_GFX_VERSION"):
+        return []
+    return [Finding(
+        "error", "arch-not-in-torch",
+        f"torch was built for {', '.join(sorted(compiled))}, not for this machine's {', '.join(missing)}: "
+        "kernels fail with 'invalid device function'",
+        "install a torch build (or ROCm release) that lists your GPU's gfx target")]
+
+
+def check_visibility(m: Machine) -> list[Finding]:
+    """On ROCm, torch (torch/cuda/__init__.py _parse_visible_devices) and the HIP runtime prefer
+    HIP_VISIBLE_DEVICES; ROCR_VISIBLE_DEVICES is applied first, below HIP."""
+    if not m.rocm_context:
+        return []
+    findings = []
+    hip_vis, cuda_vis, rocr_vis = (m.environ.get(k) for k in devices.VISIBILITY_VARIABLES)
+    if hip_vis is not None and cuda_vis is not None and hip_vis.replace(" ", "") != cuda_vis.replace(" ", ""):
         findings.append(Finding(
             "warning", "visible-devices-differ",
             f"HIP_VISIBLE_DEVICES={hip_vis!r} and CUDA_VISIBLE_DEVICES={cuda_vis!r} differ: HIP and torch use "
             "HIP_VISIBLE_DEVICES, while launchers and libraries that read CUDA_VISIBLE_DEVICES count other GPUs",
             "set only one of them, or give both the same list"))
-    if rocr_vis is not None and hip_vis is not None and rocm_context:
+    if rocr_vis is not None and hip_vis is not None:
         if len(hip_vis.split(",")) > len(rocr_vis.split(",")):
             findings.append(Finding(
                 "error", "hip-beyond-rocr",
@@ -129,53 +161,90 @@ def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> lis
                 "prefer ROCR_VISIBLE_DEVICES alone (AMD's recommendation on Linux), or check the mapping with "
                 "'megaport doctor' inside the job"))
     for name in devices.VISIBILITY_VARIABLES:
-        if environ.get(name) == "" and rocm_context:
+        if m.environ.get(name) == "":
             findings.append(Finding("warning", "visible-devices-empty", f"{name} is set but empty: it hides every GPU",
                                     f"unset {name}, or list the GPUs to use"))
+    return findings
 
-    # RCCL: peer-to-peer over xGMI is how MI200/MI300 GPUs exchange data (RCCL docs, usage tips);
-    # NCCL_P2P_DISABLE=1 is a workaround for PCIe consumer GPUs that routes traffic through host memory.
-    archs = _archs(info)
-    if environ.get("NCCL_P2P_DISABLE", "0") not in ("0", "") and any(a in XGMI_ARCHS for a in archs):
-        findings.append(Finding(
-            "warning", "p2p-disabled-on-xgmi",
-            f"NCCL_P2P_DISABLE={environ['NCCL_P2P_DISABLE']} on {', '.join(sorted(set(a for a in archs if a in XGMI_ARCHS)))} "
-            "GPUs: RCCL stops using the xGMI links between GPUs and goes through host memory, losing most "
-            "of its bandwidth",
-            "unset NCCL_P2P_DISABLE (it is meant for PCIe GPUs without working peer-to-peer)"))
 
-    # ROCr: HSA_ENABLE_SDMA=0 disables the DMA engines for every copy (ROCR-Runtime environment
-    # variables); copies then run as blit kernels on the compute units.
-    if environ.get("HSA_ENABLE_SDMA") == "0":
+def check_rccl(m: Machine) -> list[Finding]:
+    """Peer-to-peer over xGMI is how MI200/MI300 GPUs exchange data (RCCL docs, usage tips);
+    NCCL_P2P_DISABLE=1 is a workaround for PCIe consumer GPUs that routes traffic through host memory."""
+    archs = _archs(m.info)
+    xgmi = sorted(set(a for a in archs if a in XGMI_ARCHS))
+    if m.environ.get("NCCL_P2P_DISABLE", "0") in ("0", "") or not xgmi:
+        return []
+    return [Finding(
+        "warning", "p2p-disabled-on-xgmi",
+        f"NCCL_P2P_DISABLE={m.environ['NCCL_P2P_DISABLE']} on {', '.join(xgmi)} "
+        "GPUs: RCCL stops using the xGMI links between GPUs and goes through host memory, losing most "
+        "of its bandwidth",
+        "unset NCCL_P2P_DISABLE (it is meant for PCIe GPUs without working peer-to-peer)")]
+
+
+def check_rocr_runtime(m: Machine) -> list[Finding]:
+    """ROCr settings (ROCR-Runtime environment variables): HSA_ENABLE_SDMA=0 disables the DMA
+    engines for every copy, which then run as blit kernels on the compute units."""
+    findings = []
+    if m.environ.get("HSA_ENABLE_SDMA") == "0":
         findings.append(Finding(
             "warning", "sdma-disabled",
             "HSA_ENABLE_SDMA=0 turns off the DMA copy engines for all host<->device and device<->device copies: "
             "they run as kernels on the compute units instead, competing with training kernels",
             "unset HSA_ENABLE_SDMA unless it works around a specific hang you have seen on this ROCm release"))
-    if environ.get("HSA_OVERRIDE_GFX_VERSION") and rocm_context:
+    if m.environ.get("HSA_OVERRIDE_GFX_VERSION") and m.rocm_context:
         findings.append(Finding(
             "warning", "gfx-override",
-            f"HSA_OVERRIDE_GFX_VERSION={environ['HSA_OVERRIDE_GFX_VERSION']} makes the runtime treat every GPU as "
+            f"HSA_OVERRIDE_GFX_VERSION={m.environ['HSA_OVERRIDE_GFX_VERSION']} makes the runtime treat every GPU as "
             "that target and run code built for it",
             "use it only for GPUs ROCm does not support; unset it on supported (Instinct) GPUs"))
-
-    # CUDA toolkit settings on a ROCm machine: extension builds (apex, TransformerEngine, unported
-    # Megatron's fused_kernels, which probe CUDA_HOME/bin/nvcc) would try to use nvcc.
-    cuda_home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
-    if cuda_home and rocm_context:
-        nvcc = Path(cuda_home) / "bin" / "nvcc"
-        findings.append(Finding(
-            "warning", "cuda-home-on-rocm",
-            f"CUDA_HOME/CUDA_PATH={cuda_home} on a ROCm machine"
-            + (" (it has bin/nvcc)" if nvcc.exists() else "")
-            + ": extension builds (apex, TransformerEngine, Megatron's fused kernels) look for nvcc there",
-            "unset CUDA_HOME and CUDA_PATH; ROCm builds use ROCM_PATH (e.g. /opt/rocm)"))
-
-    findings += attention_findings(info, environ)
-    if not pytest_available:
-        findings.append(Finding("warning", "pytest-missing", "pytest is not installed: 'megaport verify' needs it",
-                                "pip install 'pytest>=8'"))
     return findings
+
+
+def check_cuda_toolkit(m: Machine) -> list[Finding]:
+    """CUDA toolkit settings on a ROCm machine: extension builds (apex, TransformerEngine, unported
+    Megatron's fused_kernels, which probe CUDA_HOME/bin/nvcc) would try to use nvcc."""
+    cuda_home = m.environ.get("CUDA_HOME") or m.environ.get("CUDA_PATH")
+    if not cuda_home or not m.rocm_context:
+        return []
+    nvcc = Path(cuda_home) / "bin" / "nvcc"
+    return [Finding(
+        "warning", "cuda-home-on-rocm",
+        f"CUDA_HOME/CUDA_PATH={cuda_home} on a ROCm machine" + (" (it has bin/nvcc)" if nvcc.exists() else "")
+        + ": extension builds (apex, TransformerEngine, Megatron's fused kernels) look for nvcc there",
+        "unset CUDA_HOME and CUDA_PATH; ROCm builds use ROCM_PATH (e.g. /opt/rocm)")]
+
+
+def check_attention(m: Machine) -> list[Finding]:
+    return attention_findings(m.info, m.environ)
+
+
+def check_pytest(m: Machine) -> list[Finding]:
+    if m.pytest_available:
+        return []
+    return [Finding("warning", "pytest-missing", "pytest is not installed: 'megaport verify' needs it",
+                    "pip install 'pytest>=8'")]
+
+
+#: One check per area, in the order their findings print; adding one adds a row, never a branch.
+CHECKS = (
+    ("torch build", check_torch_build),
+    ("device access", check_device_access),
+    ("GPU arch", check_gpu_arch),
+    ("visible devices", check_visibility),
+    ("RCCL", check_rccl),
+    ("ROCr runtime", check_rocr_runtime),
+    ("CUDA toolkit", check_cuda_toolkit),
+    ("attention kernels", check_attention),
+    ("verify's tools", check_pytest),
+)
+
+
+def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> list[Finding]:
+    """Every check's findings for this probe and environment (a pure function: tested without the
+    hardware each rule is about)."""
+    machine = Machine(info, environ, pytest_available)
+    return [finding for _, check in CHECKS for finding in check(machine)]
 
 
 def attention_findings(info: dict, environ: dict) -> list[Finding]:
