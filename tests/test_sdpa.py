@@ -254,3 +254,34 @@ def test_dropout_runs_under_the_cores_rng_tracker(rp, routed, monkeypatch):
     core.eval()
     assert torch.equal(core(q, k, v, None), core(q, k, v, None))
     assert not torch.equal(out, core(q, k, v, None)), "dropout 0.5 in training changed nothing"
+
+
+@pytest.mark.parametrize("lengths, causal", [((24, 24), True), ((24, 24), False), ((10, 17, 5), True)])
+def test_flash_attn_varlen_stand_in_matches_per_sequence_attention(rp, lengths, causal):
+    """--use-flash-attn without flash_attn: packed sequences [total, h, d], per-sequence attention."""
+    g = torch.Generator().manual_seed(5)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, 4, 16, generator=g, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = rp.flash_attn_varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), 0.0, softmax_scale=0.3, causal=causal)
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        qs, ks, vs = (t[start:start + n].detach().double().permute(1, 0, 2) for t in (q, k, v))
+        scores = qs @ ks.transpose(-1, -2) * 0.3
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        want = (torch.softmax(scores, -1) @ vs).permute(1, 0, 2)
+        torch.testing.assert_close(out[start:start + n].double(), want, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_causal_flash_attn_with_fewer_queries_is_bottom_right_aligned(rp):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(3, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    cq, ck = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    out = rp.flash_attn_varlen_sdpa(q, k, v, cq, ck, 3, 5, 0.0, softmax_scale=1.0, causal=True)
+    # query i of 3 sees keys 0 .. i + 2 of 5: the last every key, the first keys 0..2
+    for i in range(3):
+        seen = i + 3
+        weights = torch.softmax(torch.einsum("hd,khd->hk", q[i], k[:seen]), -1)
+        torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", weights, v[:seen]), atol=1e-5, rtol=1e-5)

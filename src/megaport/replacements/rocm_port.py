@@ -1096,10 +1096,49 @@ def _sdpa_in_dot_product_attention(module) -> None:
                                        tuple(list(inspect.signature(module.DotProductAttention.forward).parameters)[1:5]))
 
 
+def flash_attn_varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, **_):
+    """flash-attn's ``flash_attn_varlen_func`` (``flash_attn_unpadded_func`` before 2.0) through SDPA:
+    ``q`` [total_q, h, d], ``k``/``v`` [total_k, h_kv, d] packed by ``cu_seqlens``; causal is aligned
+    to the bottom-right corner, as flash-attn 2.1 on. Segments of one length (how upstream's
+    FlashSelfAttention packs a batch) run as one batched call."""
+    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+
+    def attend(qs, ks, vs):  # [b, s, h, d]
+        sq, sk = qs.shape[1], ks.shape[1]
+        mask = None
+        if causal and sq != sk:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=qs.device).tril(sk - sq)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p,
+            is_causal=causal and sq == sk, scale=softmax_scale, **gqa)
+        return out.transpose(1, 2)
+
+    if len(set(lengths_q)) == 1 and len(set(lengths_k)) == 1:
+        b = len(lengths_q)
+        out = attend(q.view(b, lengths_q[0], *q.shape[1:]), k.view(b, lengths_k[0], *k.shape[1:]),
+                     v.view(b, lengths_k[0], *v.shape[1:]))
+        return out.reshape(q.shape[0], *out.shape[2:])
+    pieces = [attend(q[a:a + lq][None], k[c:c + lk][None], v[c:c + lk][None])[0]
+              for a, lq, c, lk in zip(cu_seqlens_q[:-1].tolist(), lengths_q, cu_seqlens_k[:-1].tolist(), lengths_k)]
+    return torch.cat(pieces)
+
+
 def _sdpa_in_legacy_core_attention(module) -> None:
     cls = getattr(module, "CoreAttention", None)
     if cls is not None:
         _route_core_attention_through_sdpa(cls, tuple(list(inspect.signature(cls.forward).parameters)[1:5]))
+    # --use-flash-attn needs the flash_attn package, which a ROCm box rarely has: its varlen
+    # function is served through SDPA (flash attention there too), said once.
+    if "flash_attn_unpadded_func" in vars(module) and module.flash_attn_unpadded_func is None:
+        def flash_attn_unpadded_func(*args, **kwargs):
+            say_once("--use-flash-attn without the flash_attn package: torch scaled_dot_product_attention computes "
+                     "FlashSelfAttention's attention")
+            return flash_attn_varlen_sdpa(*args, **kwargs)
+
+        module.flash_attn_unpadded_func = flash_attn_unpadded_func
 
 
 # The after-import steps that route core attention through SDPA (defined here, beside the code
