@@ -14,6 +14,15 @@ from megaport.commands.bench import parse_dtypes, parse_shape
 from megaport.errors import MegaportError
 
 
+def ported_016(tmp_path, core_upstream):
+    """core_v0.16.1 ported from the PyPI-built upstream, in ``tmp_path / "tree"``."""
+    tree = tmp_path / "tree"
+    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
+                                        "--dest", str(tree)], catch_exceptions=False)
+    assert applied.exit_code == 0, applied.output
+    return tree
+
+
 def test_parse_shape():
     assert parse_shape("1,16,1024,1024") == (1, 16, 1024, 1024)
     assert parse_shape("16, 1024, 1024") == (1, 16, 1024, 1024)  # [b*np, sq, sk]
@@ -40,10 +49,7 @@ def test_bench_refuses_a_causal_shape_that_is_not_square(tmp_path):
 @pytest.mark.upstream
 def test_bench_measures_both_paths_on_cpu(tmp_path, core_upstream):
     pytest.importorskip("torch")
-    tree = tmp_path / "tree"
-    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
-                                        "--dest", str(tree)], catch_exceptions=False)
-    assert applied.exit_code == 0, applied.output
+    tree = ported_016(tmp_path, core_upstream)
     report = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "megaport.cli", "bench", str(tree), "--device", "cpu",
                            "--shape", "1,4,64,64", "--dtype", "bf16,fp32", "--repeats", "3", "--json", str(report)],
@@ -73,10 +79,7 @@ def test_bench_measures_both_paths_on_cpu(tmp_path, core_upstream):
 def test_bench_train_compares_the_port_with_upstream_fusions_off(tmp_path, core_upstream):
     """Both sides run, side by side, with the same losses; the tree is not touched."""
     pytest.importorskip("torch")
-    tree = tmp_path / "tree"
-    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
-                                        "--dest", str(tree)], catch_exceptions=False)
-    assert applied.exit_code == 0, applied.output
+    tree = ported_016(tmp_path, core_upstream)
     status_before = subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True,
                                    text=True).stdout
     report = tmp_path / "bench-train.json"
@@ -106,10 +109,7 @@ def test_bench_train_compares_the_port_with_upstream_fusions_off(tmp_path, core_
 @pytest.mark.upstream
 def test_bench_attention_times_sdpa_the_ports_softmax_and_upstreams_unfused_path(tmp_path, core_upstream):
     pytest.importorskip("torch")
-    tree = tmp_path / "tree"
-    applied = CliRunner().invoke(main, ["apply", "--ref", "core_v0.16.1", "--repo", str(core_upstream),
-                                        "--dest", str(tree)], catch_exceptions=False)
-    assert applied.exit_code == 0, applied.output
+    tree = ported_016(tmp_path, core_upstream)
     report = tmp_path / "attention.json"
     proc = subprocess.run([sys.executable, "-m", "megaport.cli", "bench", "--attention", str(tree), "--device", "cpu",
                            "--shapes", "1,4,64;1,4,128", "--head-dim", "32", "--groups", "2", "--dtype", "bf16",

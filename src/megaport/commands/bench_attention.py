@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,35 +135,13 @@ def _variants(args, torch):
     return {"sdpa": sdpa, "port_softmax": port_softmax, "upstream_unfused": upstream_unfused}, clear, device, backend
 
 
-def _sync(torch, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time(args, torch) -> dict:
+    from megaport.smoke import _bench
+
     variants, clear, device, backend = _variants(args, torch)
-    samples = {name: [] for name in variants}
-    memory = {}
-    order = list(variants)
-    for r in range(args.warmup + args.repeats):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            clear()
-            _sync(torch, device)
-            start = time.perf_counter()
-            variants[name]()
-            _sync(torch, device)
-            if r >= args.warmup:
-                samples[name].append((time.perf_counter() - start) * 1000)
-    if device.type == "cuda":
-        for name, run in variants.items():
-            clear()
-            gc.collect()
-            _sync(torch, device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            run()
-            _sync(torch, device)
-            memory[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    samples = _bench.interleaved_ms(variants, warmup=args.warmup, repeats=args.repeats, before_each=clear,
+                                    torch=torch, device=device)
+    memory = _bench.gpu_peak_mib(variants, before_each=clear, torch=torch, device=device)
     return {"ms": {n: statistics.median(v) for n, v in samples.items()}, "samples_ms": samples,
             "peak_mib": memory or None, "sdpa_backend": backend, "threads": torch.get_num_threads()}
 

@@ -112,32 +112,50 @@ def sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def time_mode(args, torch) -> dict:
-    variants, x, device = setup(args, torch)
-    timed = {**variants, "copy": plain_copy(x)}
+def interleaved_ms(timed: dict, *, warmup: int, repeats: int, before_each, torch, device) -> dict:
+    """Milliseconds of each of ``timed``'s calls, ``repeats`` rounds after ``warmup``, interleaved
+    (the order alternates each round, so load that drifts falls on every variant alike)."""
     samples = {name: [] for name in timed}
-    memory = {}
     order = list(timed)
-    for r in range(args.warmup + args.repeats):
-        for name in (order if r % 2 == 0 else order[::-1]):  # interleaved, alternating first
-            x.grad = None
+    for r in range(warmup + repeats):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            before_each()
             sync(torch, device)
             start = time.perf_counter()
             timed[name]()
             sync(torch, device)
-            if r >= args.warmup:
+            if r >= warmup:
                 samples[name].append((time.perf_counter() - start) * 1000)
+    return samples
+
+
+def gpu_peak_mib(variants: dict, *, before_each, torch, device) -> dict:
+    """Each variant's peak allocation on the GPU over what was allocated before it ({} on a CPU)."""
+    memory = {}
+    if device.type != "cuda":
+        return memory
+    for name, fn in variants.items():
+        before_each()
+        gc.collect()
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        memory[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return memory
+
+
+def time_mode(args, torch) -> dict:
+    variants, x, device = setup(args, torch)
+
+    def clear():
+        x.grad = None
+
+    samples = interleaved_ms({**variants, "copy": plain_copy(x)}, warmup=args.warmup, repeats=args.repeats,
+                             before_each=clear, torch=torch, device=device)
+    memory = gpu_peak_mib(variants, before_each=clear, torch=torch, device=device)
     x.grad = None
-    if device.type == "cuda":
-        for name, fn in variants.items():
-            gc.collect()
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            fn()
-            torch.cuda.synchronize(device)
-            memory[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-            x.grad = None
     return {
         "port_softmax_path": port_softmax_path(device),
         "ms": {name: statistics.median(v) for name, v in samples.items()},
