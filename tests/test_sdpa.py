@@ -246,11 +246,12 @@ def test_dropout_runs_under_the_cores_rng_tracker(rp, routed, monkeypatch):
     module = sys.modules[routed.__module__]
     monkeypatch.setattr(module, "tensor_parallel", type("TP", (), {"get_cuda_rng_tracker": staticmethod(Tracker)}),
                         raising=False)
+    monkeypatch.setattr(rp, "sdpa_fused_dropout", lambda device: True)  # as on a GPU
     core = routed(_Softmax(), dropout=0.5)
     q, k, v = inputs("mha", torch.float32)
     core.train()
     out = core(q, k, v, None)
-    assert forks == [1]
+    assert forks == [1] and routed.calls == 0
     core.eval()
     assert torch.equal(core(q, k, v, None), core(q, k, v, None))
     assert not torch.equal(out, core(q, k, v, None)), "dropout 0.5 in training changed nothing"
@@ -285,3 +286,15 @@ def test_causal_flash_attn_with_fewer_queries_is_bottom_right_aligned(rp):
         seen = i + 3
         weights = torch.softmax(torch.einsum("hd,khd->hk", q[i], k[:seen]), -1)
         torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", weights, v[:seen]), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_dropout_on_the_cpu_keeps_the_softmax_path(rp, routed, capsys):
+    core = routed(_Softmax(), dropout=0.1)
+    q, k, v = inputs("mha", torch.bfloat16)
+    core.train()
+    core(q, k, v, None)
+    assert routed.calls == 1, "SDPA's math kernel ran attention dropout on the CPU"
+    assert "attention dropout on the CPU" in capsys.readouterr().out
+    core.eval()
+    core(q, k, v, None)
+    assert routed.calls == 1, "evaluation (no dropout) should run SDPA"

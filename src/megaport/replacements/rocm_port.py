@@ -988,6 +988,14 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
 
 
+def sdpa_fused_dropout(device) -> bool:
+    """Whether SDPA's fused kernels take attention dropout on ``device``: GPUs' flash kernels do
+    (AOTriton on ROCm); the CPU's flash kernel does not, and with dropout SDPA's math kernel ran
+    slower than the port's softmax path (2 cores, bf16 [1, 8, 1024, 64] causal fwd+bwd at dropout
+    0.1: SDPA math 971 ms, upstream's unfused path 928 ms, the softmax path ~0.8x unfused)."""
+    return torch.device(device).type != "cpu"
+
+
 def _kernel_exact_reason(core, config, extras: dict) -> str | None:
     """Why this core attention call keeps the softmax path, or None when SDPA computes it."""
     softmax = getattr(core, "scale_mask_softmax", None)
@@ -1029,18 +1037,21 @@ def _rng_tracker(core):
 
 
 def _attention_through_sdpa(core, config, query, key, value, attention_mask, attn_mask_type):
-    """Run one core attention call through :func:`sdpa_core_attention`; None when its masks or
-    shapes need the softmax path (causal with sq != sk, a float mask outside fp16/bf16)."""
+    """Run one core attention call through :func:`sdpa_core_attention`: (its output, None), or
+    (None, why the softmax path runs instead) where this call's masks, shapes or device ask for it."""
     softmax = core.scale_mask_softmax
     causal = getattr(attn_mask_type, "name", str(attn_mask_type)) == "causal"
     sixteen_bit = bool(getattr(softmax, "input_in_float16", False))
     if causal and query.shape[0] != key.shape[0]:
-        return None
+        return None, "causal attention with sq != sk"
     if causal and attention_mask is not None and not sixteen_bit:
         causal = False  # upstream's torch path (fp32) applies the given mask, not the kernel's triangle
     if not causal and attention_mask is not None and attention_mask.dtype != torch.bool:
-        return None
+        return None, "a float attention mask"
     dropout = core.attention_dropout.p if core.training else 0.0
+    if dropout > 0 and not sdpa_fused_dropout(query.device):
+        return None, ("attention dropout on the CPU (SDPA's CPU flash kernel has none, and its math kernel is "
+                      "slower than the softmax path)")
     scale = _core_attention_scale(core)
     kwargs = dict(scale=scale, causal=causal, mask=None if causal else attention_mask, dropout_p=dropout,
                   zero_dead_rows=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)
@@ -1055,9 +1066,9 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
                  "the fused softmax and two batched GEMMs")
     tracker = _rng_tracker(core) if dropout > 0 and not getattr(config, "sequence_parallel", False) else None
     if tracker is None:
-        return sdpa_core_attention(query, key, value, **kwargs)
+        return sdpa_core_attention(query, key, value, **kwargs), None
     with tracker.fork():
-        return sdpa_core_attention(query, key, value, **kwargs)
+        return sdpa_core_attention(query, key, value, **kwargs), None
 
 
 _SDPA_SAID = set()
@@ -1080,10 +1091,9 @@ def _route_core_attention_through_sdpa(cls, forward_names: tuple) -> None:
         if reason is None:
             query, key, value, mask = (bound.get(n) for n in forward_names)
             mask_type = bound.get("attn_mask_type") or self.attn_mask_type
-            out = _attention_through_sdpa(self, config, query, key, value, mask, mask_type)
+            out, reason = _attention_through_sdpa(self, config, query, key, value, mask, mask_type)
             if out is not None:
                 return out
-            reason = "this call's mask or shape"
         say_once(f"core attention: the port's softmax path ({reason})")
         return original(self, *args, **kwargs)
 
