@@ -8,6 +8,7 @@ megaport itself (it would install its import blocker into megaport's process).
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 TREE_PATH = "megatron/core/rocm_port.py"
@@ -16,6 +17,16 @@ _SOURCE = Path(__file__).with_name("rocm_port.py")
 # Era constants: each is one line ``NAME = True`` in the source (its newest form); render()
 # turns it to False for the series whose catalogue entry says so.
 ERA_CONSTANTS = ("FULLY_MASKED_ROWS_ARE_ZERO", "TRANSFORMER_ENGINE_IMPORTS_GUARDED")
+
+
+def port_constant(name: str):
+    """A literal constant of ``rocm_port.py`` (the modules it blocks, say), read from its text: the
+    port defines it once, for the trees it is copied into, and megaport's checks read the same
+    value without importing the module (which would install its blocker here)."""
+    for node in ast.parse(source_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{_SOURCE} defines no constant {name}")
 
 
 def source_text() -> str:

@@ -23,7 +23,9 @@ from pathlib import Path
 
 
 def _blocked_loaded():
-    return sorted(n for n in sys.modules if n.partition(".")[0] in ("apex", "amp_C") or n.partition(".")[0].endswith("_cuda"))
+    from megaport.smoke import _tree
+
+    return _tree.blocked_modules_loaded()
 
 
 _TREE: list = []  # the tree under test, for failure()

@@ -16,6 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from megaport.replacements import port_constant
+
 try:
     import pytest
 
@@ -24,9 +26,10 @@ try:
 except ImportError:  # the bench worker uses this module without pytest
     SMOKE_KEY = None
 
-# What the port must keep out of the process: apex, amp_C and every fused "*_cuda" extension.
-BLOCKED_EXACT = ("apex", "amp_C")
-BLOCKED_SUFFIX = "_cuda"
+# What the port must keep out of the process: apex, amp_C and every fused "*_cuda" extension,
+# as the port itself lists them.
+BLOCKED_EXACT = port_constant("_BLOCKED_EXACT")
+BLOCKED_SUFFIX = port_constant("_BLOCKED_SUFFIX")
 # Stand-ins put first on sys.path: a real install of any of these is shadowed by a module that
 # raises when imported, so an import that gets past the port's blocker fails loudly.
 STAND_INS = (
