@@ -354,13 +354,16 @@ def distributed_backend_default(tree: Path, upstream: Upstream | None = None) ->
     """
     import argparse
 
+    from megaport.train.example import ARGUMENT_FILES, CONFIG_FILES
+
     def era_has(path: str) -> bool:
         found = upstream.has(path) if upstream is not None else None
         return (tree / path).is_file() if found is None else found
 
-    for name in ("megatron.training.arguments", "megatron.arguments"):
-        if not era_has(name.replace(".", "/") + ".py"):
+    for rel in ARGUMENT_FILES:
+        if not era_has(rel):
             continue
+        name = rel[:-len(".py")].replace("/", ".")
         try:
             module = importlib.import_module(name)
             parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -370,9 +373,9 @@ def distributed_backend_default(tree: Path, upstream: Upstream | None = None) ->
                 return str(value), f"{name.replace('.', '/')}.py --distributed-backend default"
         except Exception:  # noqa: BLE001 - a training module this machine cannot import: next source
             continue
-    if era_has("megatron/training/config/common_config.py"):
+    if era_has(CONFIG_FILES[0]):
         try:
-            module = importlib.import_module("megatron.training.config.common_config")
+            module = importlib.import_module(CONFIG_FILES[0][:-len(".py")].replace("/", "."))
             import dataclasses
 
             for cls in vars(module).values():

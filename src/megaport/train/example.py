@@ -56,6 +56,8 @@ FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-f
                      "--no-rope-fusion", "--transformer-impl", "local"]
 #: Where upstream's parser is defined, newest layout first.
 ARGUMENT_FILES = ("megatron/training/arguments.py", "megatron/arguments.py")
+#: Where E7-E8 declare what arguments.py declared before (config dataclasses, made into flags).
+CONFIG_FILES = ("megatron/training/config/common_config.py", "megatron/training/config/model_config.py")
 
 
 def example_flags(tree: str) -> tuple[list, str]:

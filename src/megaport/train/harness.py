@@ -235,8 +235,9 @@ def default_transformer_impl(tree: str) -> tuple[str, str]:
     tells: the eras that import TransformerEngine unguarded (2023-07 to 2024-06) defaulted to
     'local', later ones to 'transformer_engine'.
     """
-    for rel in ("megatron/training/arguments.py", "megatron/arguments.py",
-                "megatron/training/config/common_config.py", "megatron/training/config/model_config.py"):
+    from megaport.train.example import ARGUMENT_FILES, CONFIG_FILES
+
+    for rel in (*ARGUMENT_FILES, *CONFIG_FILES):
         path = os.path.join(tree, rel)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
