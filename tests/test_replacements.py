@@ -1107,3 +1107,25 @@ def test_rope_fusion_is_switched_off_before_upstreams_checks(rp, tiny_megatron, 
     config = importlib.import_module("megatron.core.transformer.transformer_config").TransformerConfig()
     assert config.apply_rope_fusion is False
     assert "RoPE runs unfused" in capsys.readouterr().out
+
+
+def test_a_module_takes_every_after_import_step_of_both_tables_in_order(rp, tmp_path, monkeypatch):
+    """One module may need a step whatever is installed and more without TransformerEngine (the
+    local DotProductAttention: SDPA routing, and MLA's channels): all of them run, in order."""
+    package = tmp_path / "after_import_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "layer.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ran = []
+    monkeypatch.setitem(rp._AFTER_IMPORT_ALWAYS, "after_import_pkg.layer", lambda m: ran.append(("always", m.VALUE)))
+    monkeypatch.setitem(rp._AFTER_IMPORT_WITHOUT_TE, "after_import_pkg.layer",
+                        (lambda m: ran.append(("no TE 1", m.VALUE)), lambda m: ran.append(("no TE 2", m.VALUE))))
+    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
+    for name in ("after_import_pkg.layer", "after_import_pkg"):
+        sys.modules.pop(name, None)
+    importlib.import_module("after_import_pkg.layer")
+    assert ran == [("always", 1), ("no TE 1", 1), ("no TE 2", 1)]
+    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: True)
+    assert rp.after_import_steps("after_import_pkg.layer") == (rp._AFTER_IMPORT_ALWAYS["after_import_pkg.layer"],)
+    sys.modules.pop("after_import_pkg.layer", None)

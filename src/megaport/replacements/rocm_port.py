@@ -448,17 +448,28 @@ _AFTER_IMPORT_ALWAYS = {
 }
 
 
+def _steps(entry) -> tuple:
+    """A table entry as a tuple of steps: one function, or several in the order they run."""
+    return () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def after_import_steps(fullname: str) -> tuple:
+    """Every step the port runs once ``fullname`` has loaded: :data:`_AFTER_IMPORT_ALWAYS`'s, then,
+    without TransformerEngine, :data:`_AFTER_IMPORT_WITHOUT_TE`'s (one module may have both)."""
+    steps = _steps(_AFTER_IMPORT_ALWAYS.get(fullname))
+    if fullname in _AFTER_IMPORT_WITHOUT_TE and not _transformer_engine_installed():
+        steps += _steps(_AFTER_IMPORT_WITHOUT_TE[fullname])
+    return steps
+
+
 class _ServeAfterImport(importlib.abc.MetaPathFinder):
-    """Runs the after-import step of a module (:data:`_AFTER_IMPORT_WITHOUT_TE`,
-    :data:`_AFTER_IMPORT_ALWAYS`) once upstream's own code has loaded it: one mechanism for every
-    era, whatever shape the file has."""
+    """Runs the after-import steps of a module (:func:`after_import_steps`) once upstream's own code
+    has loaded it: one mechanism for every era, whatever shape the file has."""
 
     def find_spec(self, fullname, path=None, target=None):
-        serve = _AFTER_IMPORT_ALWAYS.get(fullname)
-        if serve is None:
-            serve = _AFTER_IMPORT_WITHOUT_TE.get(fullname)
-            if serve is None or _transformer_engine_installed():
-                return None
+        steps = after_import_steps(fullname)
+        if not steps:
+            return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
@@ -466,7 +477,8 @@ class _ServeAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            serve(module)
+            for step in steps:
+                step(module)
 
         spec.loader.exec_module = exec_module
         return spec
