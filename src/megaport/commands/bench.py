@@ -6,7 +6,7 @@ peak extra memory as a multiple of the input's size.
 
 Both variants are the tree's FusedScaleMaskSoftmax: ``forward_fused_softmax`` (what the port's
 replacement functions run) and ``forward_torch_softmax`` (upstream's fallback path), forward and
-backward, on the device, in a fresh process with the tree first on the path (smoke/_bench.py).
+backward, on the device, in a fresh process with the tree first on the path (commands/bench_worker.py).
 Times are medians of interleaved runs (the order alternates each round). Peak memory: on GPUs
 torch.cuda.max_memory_allocated; on CPU each variant runs once more in its own process and the
 rise of its peak resident set is reported. The bench measures; it never asserts.
@@ -70,14 +70,9 @@ def parse_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _worker() -> Path:
-    from megaport.smoke import SMOKE_DIR
-
-    return SMOKE_DIR / "_bench.py"
-
-
 def _command(python: str, tree: Path, kind: str, shape: str, dtype: str, mask: str, *extra: str) -> list[str]:
-    return [python, "-W", "ignore", str(_worker()), "--tree", str(tree), "--device", kind, "--shape", shape,
+    return [python, "-W", "ignore", "-m", "megaport.commands.bench_worker", "--tree", str(tree), "--device", kind,
+            "--shape", shape,
             "--dtype", dtype, "--mask", mask, *extra]
 
 

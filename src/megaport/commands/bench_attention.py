@@ -82,7 +82,7 @@ def _port_module():
 
 def _variants(args, torch):
     """The three fwd+bwd closures over the same q, k, v and output gradient."""
-    from megaport.smoke import _bench
+    from megaport.commands import bench_worker as _bench
 
     port = _port_module()
     fs, mask_func = _bench.load(Path(args.tree))
@@ -136,7 +136,7 @@ def _variants(args, torch):
 
 
 def _time(args, torch) -> dict:
-    from megaport.smoke import _bench
+    from megaport.commands import bench_worker as _bench
 
     variants, clear, device, backend = _variants(args, torch)
     samples = _bench.interleaved_ms(variants, warmup=args.warmup, repeats=args.repeats, before_each=clear,
@@ -147,7 +147,7 @@ def _time(args, torch) -> dict:
 
 
 def _memory(args, torch) -> dict:
-    from megaport.smoke import _bench
+    from megaport.commands import bench_worker as _bench
 
     variants, clear, _, _ = _variants(args, torch)
     run = variants[args.variant]

@@ -1,6 +1,6 @@
 """Worker of ``megaport bench``: time (or measure the memory of) the tree's two softmax paths.
 
-Usage: python _bench.py --tree DIR --device cpu|cuda|hip --shape B,NP,SQ,SK --dtype bf16
+Usage: python -m megaport.commands.bench_worker --tree DIR --device cpu|cuda|hip --shape B,NP,SQ,SK --dtype bf16
        --mask causal|padding|none (--mode time --repeats N | --mode memory --variant fused|torch)
 
 Both paths are the tree's own FusedScaleMaskSoftmax: ``forward_fused_softmax`` (the port's
