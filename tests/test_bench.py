@@ -142,3 +142,31 @@ def test_bench_train_refuses_sizes_that_cannot_work(tmp_path):
     result = CliRunner().invoke(main, ["bench", "--train", str(fake_tree(tmp_path)), "--device", "cpu",
                                        "--hidden", "100", "--heads", "3"])
     assert result.exit_code == 2 and "not a multiple of --heads" in result.output
+
+
+def test_bench_fusions_times_each_unfused_op_and_its_share(tmp_path):
+    pytest.importorskip("torch")
+    from rich.console import Console
+
+    from megaport.commands.bench_fusions import FusionBenchOptions, bench_fusions
+
+    report = tmp_path / "fusions.json"
+    options = FusionBenchOptions(device="cpu", seq=32, batch=1, hidden=64, heads=4, groups=2, vocab=128, layers=2,
+                                 repeats=1, compile=False, json_file=str(report))
+    assert bench_fusions(options, Console(file=open(tmp_path / "out.txt", "w"))) == 0
+    document = json.loads(report.read_text())
+    ops = {r["op"]: r for r in document["results"]}
+    assert set(ops) == {"RMSNorm", "SwiGLU", "RoPE (query and key)", "cross-entropy", "core attention (SDPA)",
+                        "linear layers (GEMMs)"}
+    assert ops["RMSNorm"]["per_iteration"] == 5 and ops["cross-entropy"]["per_iteration"] == 1
+    assert all(r["eager_ms"] > 0 and r["compiled_ms"] is None for r in document["results"])
+    assert sum(r["share_of_estimated_iteration"] for r in document["results"]) == pytest.approx(1.0, abs=0.01)
+    assert document["options"]["ffn"] == 192  # Llama's 8/3 of hidden, rounded up to 64
+
+
+def test_bench_fusions_refuses_shapes_that_do_not_divide():
+    from megaport.commands.bench_fusions import FusionBenchOptions, bench_fusions
+
+    with pytest.raises(MegaportError) as err:
+        bench_fusions(FusionBenchOptions(hidden=100, heads=3), None)
+    assert err.value.exit_code == 2

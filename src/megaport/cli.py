@@ -351,6 +351,10 @@ def doctor(json_file):
               help="--attention: b,heads,seq per shape, ';' between shapes.")
 @click.option("--head-dim", type=click.IntRange(1), default=64, show_default=True, help="--attention: head dim.")
 @click.option("--groups", type=click.IntRange(1), help="--attention: query groups (GQA) [one per head].")
+@click.option("--fusions", is_flag=True,
+              help="Time the TE fusions a ROCm box runs unfused (RoPE, SwiGLU, RMSNorm, cross-entropy), eager and "
+                   "compiled, with their estimated share of an iteration (--seq/--batch/--hidden/--heads/--groups/"
+                   "--layers set the shapes).")
 @click.option("--train", is_flag=True,
               help="Benchmark training instead: the port against upstream with its fusions off.")
 @click.option("--layers", type=click.IntRange(1), help="--train: transformer layers [GPU 8, CPU 2].")
@@ -369,7 +373,7 @@ def doctor(json_file):
                    "megatron-core); auto takes pretrain_gpt.py where the tree has it.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, attention, shapes, head_dim, groups,
-          train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry):
+          fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -393,6 +397,14 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, a
     \b
     Measures; never asserts.
     """
+    if fusions:
+        from megaport.commands.bench_fusions import FusionBenchOptions, bench_fusions
+
+        given = dict(seq=seq, batch=batch, hidden=hidden, heads=heads, groups=groups, layers=layers)
+        return bench_fusions(FusionBenchOptions(device=device, dtype=dtypes.split(",")[0].strip(),
+                                                repeats=min(repeats, 15), json_file=json_file,
+                                                **{k: v for k, v in given.items() if v is not None}),
+                             _console(json_file))
     if attention:
         from megaport.commands.bench_attention import AttentionBenchOptions, bench_attention
 
