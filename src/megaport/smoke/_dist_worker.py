@@ -61,7 +61,7 @@ def max_err(a, b):
     return (a.double().cpu() - b.double().cpu()).abs().max().item()
 
 
-def main() -> int:
+def _arguments():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tree", required=True)
     parser.add_argument("--out", required=True)
@@ -69,28 +69,12 @@ def main() -> int:
     parser.add_argument("--backend", required=True, help="--distributed-backend value (resolved by the tree)")
     parser.add_argument("--wgrad-fusion", choices=("yes", "no"), required=True,
                         help="whether the era's tensor-parallel backward fuses the wgrad GEMM (from upstream)")
-    args = parser.parse_args()
-    tree = Path(args.tree)
-    _TREE.append(tree)
-    if str(tree) not in sys.path:
-        sys.path.insert(0, str(tree))
+    return parser.parse_args()
 
-    import torch
-    import torch.distributed as dist
 
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    results: dict = {"rank": rank, "world_size": world}
-    out = Path(args.out) / f"rank{rank}.json"
-
-    if args.device == "cpu":
-        # Before the tree's first import: a fork tree builds CUDA tensors at import.
-        from megaport.deepspeed import install_cpu_check_substitution
-
-        install_cpu_check_substitution(tree, torch)
-    # The tree's rocm_port resolves the backend: a tree without it, or without the resolver, is a
-    # broken port (reported under "rocm_port"; every test fails with it), never a run "as given".
+def _tree_rocm_port(results: dict):
+    """The tree's rocm_port and its backend resolver. A tree without it, or without the resolver, is
+    a broken port (reported under "rocm_port"; every test fails with it), never a run "as given"."""
     from megaport.smoke import _tree
 
     rocm_port, resolve = None, None
@@ -106,17 +90,22 @@ def main() -> int:
             results["rocm_port"] = {"ok": True, "detail": rocm_port.__name__}
     except Exception as exc:  # noqa: BLE001 - reported to the tests
         results["rocm_port"] = failure(exc)
+    return rocm_port, resolve
+
+
+def _start_process_group(results, torch, dist, args, rank, local_rank):
+    """Resolve the backend through the tree's port, pick the device and join the group: the device."""
+    rocm_port, resolve = _tree_rocm_port(results)
     backend = resolve(args.backend, rank=rank) if resolve else args.backend
     results["backend"] = {"requested": args.backend, "torch_backend": backend,
                           "resolved_by": "rocm_port.resolve_distributed_backend" if resolve else "none (as given)"}
-    gpu = args.device != "cpu"
     device = torch.device("cpu")
-    if gpu:
+    if args.device != "cpu":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         if rocm_port is not None and hasattr(rocm_port, "collective_library"):
             results["backend"]["library"] = list(rocm_port.collective_library())
-    if not gpu:
+    else:
         # CPU tensors: the groups the tree creates with an explicit nccl backend (2025's pipeline
         # groups) are gloo's too, as in the CPU training run.
         from megaport.train.cpu import use_gloo
@@ -124,6 +113,11 @@ def main() -> int:
         use_gloo(torch)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=90))
     results["backend"]["initialised"] = dist.get_backend()
+    return device
+
+
+def _collectives(results, torch, dist, rank, world, device) -> None:
+    """all-reduce (fp32, int64, bf16) and broadcast, which must be exact."""
 
     @check(results, "all_reduce")
     def _():
@@ -148,13 +142,8 @@ def main() -> int:
         want = torch.arange(513, dtype=torch.float32) * 3.25 + 1
         return {"ok": torch.equal(t.cpu(), want), "detail": "rank 0's tensor bit for bit"}
 
-    try:
-        tp = _tensor_parallel(results, torch, dist, rank, world, device, tree, args.wgrad_fusion == "yes")
-    except Exception as exc:  # noqa: BLE001 - the layers could not even be built: each check fails with it
-        failed = failure(exc)
-        tp = {name: failed for name in ("column_parallel_linear", "row_parallel_linear", "gradient_accumulation_fusion")}
-    results["tensor_parallel"] = tp
-    results["blocked_loaded"] = _blocked_loaded()
+
+def _finish(dist) -> None:
     try:
         dist.barrier()
     finally:
@@ -163,7 +152,37 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             pass
         dist.destroy_process_group()
-    out.write_text(json.dumps(results, indent=1), encoding="utf-8")
+
+
+def main() -> int:
+    args = _arguments()
+    tree = Path(args.tree)
+    _TREE.append(tree)
+    if str(tree) not in sys.path:
+        sys.path.insert(0, str(tree))
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    results: dict = {"rank": rank, "world_size": world}
+    if args.device == "cpu":
+        # Before the tree's first import: a fork tree builds CUDA tensors at import.
+        from megaport.deepspeed import install_cpu_check_substitution
+
+        install_cpu_check_substitution(tree, torch)
+    device = _start_process_group(results, torch, dist, args, rank, int(os.environ.get("LOCAL_RANK", rank)))
+    _collectives(results, torch, dist, rank, world, device)
+    try:
+        tp = _tensor_parallel(results, torch, dist, rank, world, device, tree, args.wgrad_fusion == "yes")
+    except Exception as exc:  # noqa: BLE001 - the layers could not even be built: each check fails with it
+        failed = failure(exc)
+        tp = {name: failed for name in ("column_parallel_linear", "row_parallel_linear", "gradient_accumulation_fusion")}
+    results["tensor_parallel"] = tp
+    results["blocked_loaded"] = _blocked_loaded()
+    _finish(dist)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     return 0
 
 
@@ -229,96 +248,101 @@ def _tensor_parallel(results, torch, dist, rank, world, device, tree, era_fuses_
     """ColumnParallelLinear → RowParallelLinear at TP=world against the unsharded layers; with
     gradient-accumulation fusion on, the wgrad lands in main_grad where the era fuses it
     (``era_fuses_wgrad``, from upstream), in weight.grad where the era never does."""
-    status = {}
-    parallel_state, layers = _parallel_modules()
-    parallel_state.initialize_model_parallel(world)
-    settings = _layer_settings(torch, world)
+    from types import SimpleNamespace
+
     from megaport.smoke._fork import set_default_args
 
+    parallel_state, layers = _parallel_modules()
+    parallel_state.initialize_model_parallel(world)
     set_default_args(tree)  # the DeepSpeed fork's layers also read Megatron's global args
+    run = SimpleNamespace(torch=torch, dist=dist, rank=rank, world=world, device=device, layers=layers,
+                          settings=_layer_settings(torch, world), hidden=8, ffn=3 * world, out_dim=4)
+    run.shard = slice(rank * (run.ffn // world), (rank + 1) * (run.ffn // world))
+    _sharded_forward_backward(run)
+    _unsharded_forward_backward(run)
+    status = {}
+    check(status, "column_parallel_linear")(lambda: _compare(run, {
+        "forward": (run.y, run.yr[..., run.shard]), "weight_grad": (run.col.weight.grad, run.w1.grad[run.shard]),
+        "bias_grad": (run.col.bias.grad, run.b1.grad[run.shard]), "input_grad": (run.x.grad, run.xr.grad)}))
+    check(status, "row_parallel_linear")(lambda: _compare(run, {
+        "forward": (run.z, run.zr), "weight_grad": (run.row.weight.grad, run.w2.grad[:, run.shard]),
+        "bias_grad": (run.row.bias.grad, run.b2.grad)}))
+    check(status, "gradient_accumulation_fusion")(lambda: _wgrad_accumulation(run, era_fuses_wgrad))
+    return status
 
-    def init(w):
-        return torch.nn.init.normal_(w, std=0.2)
+
+def _init(torch):
+    return lambda w: torch.nn.init.normal_(w, std=0.2)
+
+
+def _sharded_forward_backward(run) -> None:
+    """The tree's ColumnParallelLinear → RowParallelLinear, forward and backward on this rank."""
+    torch, layers = run.torch, run.layers
+    torch.manual_seed(1234)
+    run.col = layers.ColumnParallelLinear(run.hidden, run.ffn, **run.settings(layers.ColumnParallelLinear),
+                                          init_method=_init(torch), bias=True, gather_output=False).to(run.device)
+    run.row = layers.RowParallelLinear(run.ffn, run.out_dim, **run.settings(layers.RowParallelLinear),
+                                       init_method=_init(torch), bias=True, input_is_parallel=True,
+                                       skip_bias_add=False).to(run.device)
+    gen = torch.Generator().manual_seed(99)
+    run.x = torch.randn(3, 5, run.hidden, generator=gen).to(run.device).requires_grad_(True)
+    run.g = torch.randn(3, 5, run.out_dim, generator=gen).to(run.device)
+    run.y, _ = run.col(run.x)
+    run.z, _ = run.row(run.y)
+    run.z.backward(run.g)
+
+
+def _unsharded_forward_backward(run) -> None:
+    """The same two layers unsharded, from the gathered shards: plain torch, fp32."""
+    torch = run.torch
 
     def gather(t, dim):
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous())
+        parts = [torch.empty_like(t) for _ in range(run.world)]
+        run.dist.all_gather(parts, t.contiguous())
         return torch.cat(parts, dim=dim)
 
-    torch.manual_seed(1234)
-    hidden, ffn, out_dim = 8, 3 * world, 4
-    col = layers.ColumnParallelLinear(hidden, ffn, **settings(layers.ColumnParallelLinear), init_method=init, bias=True,
-                                      gather_output=False).to(device)
-    row = layers.RowParallelLinear(ffn, out_dim, **settings(layers.RowParallelLinear), init_method=init, bias=True,
-                                   input_is_parallel=True, skip_bias_add=False).to(device)
-    gen = torch.Generator().manual_seed(99)
-    x = torch.randn(3, 5, hidden, generator=gen).to(device).requires_grad_(True)
-    g = torch.randn(3, 5, out_dim, generator=gen).to(device)
-    y, _ = col(x)
-    z, _ = row(y)
-    z.backward(g)
+    run.w1 = gather(run.col.weight.detach(), 0).requires_grad_(True)
+    run.b1 = gather(run.col.bias.detach(), 0).requires_grad_(True)
+    run.w2 = gather(run.row.weight.detach(), 1).requires_grad_(True)
+    run.b2 = run.row.bias.detach().clone().requires_grad_(True)
+    run.xr = run.x.detach().clone().requires_grad_(True)
+    run.yr = torch.nn.functional.linear(run.xr, run.w1, run.b1)
+    run.zr = torch.nn.functional.linear(run.yr, run.w2, run.b2)
+    run.zr.backward(run.g)
 
-    # The unsharded layers, from the gathered shards: plain torch, fp32.
-    w1 = gather(col.weight.detach(), 0).requires_grad_(True)
-    b1 = gather(col.bias.detach(), 0).requires_grad_(True)
-    w2 = gather(row.weight.detach(), 1).requires_grad_(True)
-    b2 = row.bias.detach().clone().requires_grad_(True)
-    xr = x.detach().clone().requires_grad_(True)
-    yr = torch.nn.functional.linear(xr, w1, b1)
-    zr = torch.nn.functional.linear(yr, w2, b2)
-    zr.backward(g)
-    shard = ffn // world
-    sl = slice(rank * shard, (rank + 1) * shard)
-    tol = 1e-5
 
-    @check(status, "column_parallel_linear")
-    def _():
-        errs = {
-            "forward": max_err(y, yr[..., sl]),
-            "weight_grad": max_err(col.weight.grad, w1.grad[sl]),
-            "bias_grad": max_err(col.bias.grad, b1.grad[sl]),
-            "input_grad": max_err(x.grad, xr.grad),
-        }
-        return {"ok": all(e <= tol for e in errs.values()), "detail": ", ".join(f"{k} {v:.2g}" for k, v in errs.items())}
+def _compare(run, pairs: dict, tol: float = 1e-5) -> dict:
+    errs = {name: max_err(got, want) for name, (got, want) in pairs.items()}
+    return {"ok": all(e <= tol for e in errs.values()), "detail": ", ".join(f"{k} {v:.2g}" for k, v in errs.items())}
 
-    @check(status, "row_parallel_linear")
-    def _():
-        errs = {
-            "forward": max_err(z, zr),
-            "weight_grad": max_err(row.weight.grad, w2.grad[:, sl]),
-            "bias_grad": max_err(row.bias.grad, b2.grad),
-        }
-        return {"ok": all(e <= tol for e in errs.values()), "detail": ", ".join(f"{k} {v:.2g}" for k, v in errs.items())}
 
-    @check(status, "gradient_accumulation_fusion")
-    def _():
-        """The default --gradient-accumulation-fusion path: wgrad accumulated into main_grad."""
-        with_fusion = settings(layers.ColumnParallelLinear, gradient_accumulation_fusion=True)
-        fused = layers.ColumnParallelLinear(hidden, ffn, **with_fusion,
-                                            init_method=init, bias=False, gather_output=False).to(device)
-        with torch.no_grad():
-            fused.weight.copy_(col.weight)
-        fused.weight.main_grad = torch.zeros(fused.weight.shape, dtype=torch.float32, device=device)
-        xa = x.detach().clone().requires_grad_(True)
-        for _ in range(2):
-            ya, _unused = fused(xa)
-            ya.backward(torch.ones_like(ya))
-        want = 2 * torch.ones(3 * 5, shard, dtype=torch.float64).t() @ x.detach().double().cpu().reshape(-1, hidden)
-        if not era_fuses_wgrad:
-            # The DeepSpeed fork commented the fused path out at its 2023-07 merge (upstream's own
-            # layers, not a patch): the flag does nothing there, and weight.grad takes the gradient
-            # as without it.
-            err = max_err(fused.weight.grad, want)
-            untouched = float(fused.weight.main_grad.abs().max()) == 0.0
-            return {"ok": err <= 1e-4 and untouched,
-                    "detail": f"the era's layers never fuse (upstream's fused path commented out): weight.grad error "
-                              f"{err:.2g} after 2 micro-batches; main_grad untouched: {untouched}"}
-        err = max_err(fused.weight.main_grad, want)
-        no_grad = fused.weight.grad is None
-        return {"ok": err <= 1e-4 and no_grad,
-                "detail": f"main_grad error {err:.2g} after 2 micro-batches; weight.grad is None: {no_grad}"}
-
-    return status
+def _wgrad_accumulation(run, era_fuses_wgrad: bool) -> dict:
+    """The default --gradient-accumulation-fusion path: wgrad accumulated into main_grad."""
+    torch, layers, shard = run.torch, run.layers, run.ffn // run.world
+    with_fusion = run.settings(layers.ColumnParallelLinear, gradient_accumulation_fusion=True)
+    fused = layers.ColumnParallelLinear(run.hidden, run.ffn, **with_fusion, init_method=_init(torch), bias=False,
+                                        gather_output=False).to(run.device)
+    with torch.no_grad():
+        fused.weight.copy_(run.col.weight)
+    fused.weight.main_grad = torch.zeros(fused.weight.shape, dtype=torch.float32, device=run.device)
+    xa = run.x.detach().clone().requires_grad_(True)
+    for _ in range(2):
+        ya, _unused = fused(xa)
+        ya.backward(torch.ones_like(ya))
+    want = 2 * torch.ones(3 * 5, shard, dtype=torch.float64).t() @ run.x.detach().double().cpu().reshape(-1, run.hidden)
+    if not era_fuses_wgrad:
+        # The DeepSpeed fork commented the fused path out at its 2023-07 merge (upstream's own
+        # layers, not a patch): the flag does nothing there, and weight.grad takes the gradient
+        # as without it.
+        err = max_err(fused.weight.grad, want)
+        untouched = float(fused.weight.main_grad.abs().max()) == 0.0
+        return {"ok": err <= 1e-4 and untouched,
+                "detail": f"the era's layers never fuse (upstream's fused path commented out): weight.grad error "
+                          f"{err:.2g} after 2 micro-batches; main_grad untouched: {untouched}"}
+    err = max_err(fused.weight.main_grad, want)
+    no_grad = fused.weight.grad is None
+    return {"ok": err <= 1e-4 and no_grad,
+            "detail": f"main_grad error {err:.2g} after 2 micro-batches; weight.grad is None: {no_grad}"}
 
 
 if __name__ == "__main__":
