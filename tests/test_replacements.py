@@ -69,7 +69,7 @@ def rp_old(rp, tmp_path_factory):
 # ----------------------------------------------------------------------------------
 
 
-def ref_softmax(x, scale, mask=None, causal=False, zero_dead_rows=True):
+def ref_softmax(x, scale, mask=None, causal=False, fully_masked_rows_are_zero=True):
     """The kernels' forward in fp64 from the (already rounded) input values."""
     z = x.double() * scale
     if causal:
@@ -83,7 +83,7 @@ def ref_softmax(x, scale, mask=None, causal=False, zero_dead_rows=True):
     m = z.max(-1, keepdim=True).values
     e = torch.exp(z - m)
     y = e / e.sum(-1, keepdim=True)
-    if mask is not None and not causal and zero_dead_rows:
+    if mask is not None and not causal and fully_masked_rows_are_zero:
         y = torch.where(m == -10000.0, torch.zeros_like(y), y)
     return y
 
@@ -283,7 +283,7 @@ def test_fully_masked_rows_are_uniform_in_old_eras(rp_old, dtype):
     y, g, dx = run_forward_backward(rp_old.ScaledMaskedSoftmax.apply, x, mask, 0.125)
     uniform = torch.full_like(y[:, :, 1], 0.2, dtype=torch.float64)
     assert_close(y[:, :, 1], uniform, dtype, "dead row")
-    assert_close(y, ref_softmax(x, 0.125, mask, zero_dead_rows=False), dtype, "forward")
+    assert_close(y, ref_softmax(x, 0.125, mask, fully_masked_rows_are_zero=False), dtype, "forward")
     assert_close(dx, ref_backward(g, y, 0.125), dtype, "backward", backward_size(g, y, 0.125))
 
 

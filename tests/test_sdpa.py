@@ -41,7 +41,7 @@ def rp():
     module.uninstall_import_blocker()
 
 
-def reference(q, k, v, scale, causal, mask, zero_dead_rows):
+def reference(q, k, v, scale, causal, mask, fully_masked_rows_are_zero):
     """Megatron's unfused core attention in fp64: [s, b, n, d] in, [sq, b, n*dv] out."""
     q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
     heads, groups = q.shape[1], k.shape[1]
@@ -53,7 +53,7 @@ def reference(q, k, v, scale, causal, mask, zero_dead_rows):
         probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
     elif mask is not None:
         probs = torch.softmax(scores.masked_fill(mask, -10000.0), dim=-1)
-        if zero_dead_rows:
+        if fully_masked_rows_are_zero:
             probs = probs.masked_fill(mask.all(-1, keepdim=True), 0.0)
     else:
         probs = torch.softmax(scores, dim=-1)
@@ -93,7 +93,8 @@ def test_sdpa_matches_fp64_reference_forward_and_backward(rp, kind, layout, dtyp
     mask = padding_mask(2, 24, 24) if kind.startswith("padding") else None
     zero = kind != "padding-uniform-rows"
     scale = 1 / math.sqrt(q.shape[-1]) * 0.9
-    out = rp.sdpa_core_attention(q, k, v, scale=scale, causal=kind == "causal", mask=mask, zero_dead_rows=zero)
+    out = rp.sdpa_core_attention(q, k, v, scale=scale, causal=kind == "causal", mask=mask,
+                                 fully_masked_rows_are_zero=zero)
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(qr, kr, vr, scale, kind == "causal", mask, zero)
     assert out.dtype == dtype and out.shape == ref.shape
@@ -108,8 +109,8 @@ def test_sdpa_matches_fp64_reference_forward_and_backward(rp, kind, layout, dtyp
 def test_fully_masked_rows_follow_the_era(rp):
     q, k, v = inputs("gqa", torch.float32)
     mask = padding_mask(2, 24, 24)
-    zero = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=False, mask=mask, zero_dead_rows=True)
-    uniform = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=False, mask=mask, zero_dead_rows=False)
+    zero = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=False, mask=mask, fully_masked_rows_are_zero=True)
+    uniform = rp.sdpa_core_attention(q, k, v, scale=0.25, causal=False, mask=mask, fully_masked_rows_are_zero=False)
     assert torch.count_nonzero(zero[3, 0]) == 0
     v_mean = v[:, 0].mean(0).repeat_interleave(2, dim=0).reshape(-1)  # each head's group's mean value
     torch.testing.assert_close(uniform[3, 0], v_mean)
@@ -133,7 +134,7 @@ def test_sdpa_agrees_with_the_ports_kernel_exact_softmax_path(rp):
     probs = rp.ScaledMaskedSoftmax.apply(scores.half(), mask, scale)
     kernel_path = (probs @ v.permute(1, 2, 0, 3)).permute(2, 0, 1, 3).reshape(32, 2, -1)
     sdpa = rp.sdpa_core_attention(q, k, v, scale=scale, causal=False, mask=mask,
-                                  zero_dead_rows=rp.FULLY_MASKED_ROWS_ARE_ZERO)
+                                  fully_masked_rows_are_zero=rp.FULLY_MASKED_ROWS_ARE_ZERO)
     torch.testing.assert_close(sdpa.float(), kernel_path.float(), atol=4e-3, rtol=4e-3)
 
 

@@ -25,7 +25,7 @@ def blocked_modules_loaded() -> list[str]:
     )
 
 
-def reference(x, scale, mask, causal, zero_fully_masked):
+def reference(x, scale, mask, causal, fully_masked_rows_are_zero):
     """fp64 softmax as the kernels compute it: masked → -10000.0 (unscaled), rest x*scale."""
     import torch
 
@@ -37,7 +37,7 @@ def reference(x, scale, mask, causal, zero_fully_masked):
     if mask is not None:
         z = z.masked_fill(mask, -10000.0)
     y = torch.softmax(z, dim=-1)
-    if mask is not None and zero_fully_masked:
+    if mask is not None and fully_masked_rows_are_zero:
         y = y.masked_fill(mask.all(dim=-1, keepdim=True).expand_as(y), 0.0)
     return y
 
@@ -47,7 +47,7 @@ def reference_grad(y, g, scale):
     return scale * (y * g - y * (y * g).sum(-1, keepdim=True))
 
 
-def check_softmax(fused_softmax, torch, zero_fully_masked: bool) -> dict:
+def check_softmax(fused_softmax, torch, fully_masked_rows_are_zero: bool) -> dict:
     torch.manual_seed(0)
     findings = {}
     b, heads, sq, sk, scale = 2, 4, 32, 32, 0.125
@@ -68,7 +68,7 @@ def check_softmax(fused_softmax, torch, zero_fully_masked: bool) -> dict:
             y = fn.apply(*args)
             g = torch.randn(shape).to(dtype)
             y.backward(g)
-            ref = reference(x.detach(), scale, mask, causal, zero_fully_masked)
+            ref = reference(x.detach(), scale, mask, causal, fully_masked_rows_are_zero)
             ref_grad = reference_grad(ref, g, scale)
             findings[f"{name}/{str(dtype)[6:]}"] = {
                 "dtype_kept": y.dtype == dtype,
@@ -99,7 +99,7 @@ def main() -> None:
     tree, fakes, semantics = sys.argv[1], sys.argv[2], sys.argv[3]
     sys.path[:0] = [tree, fakes]
     try:
-        check(zero_fully_masked=semantics == "zero")
+        check(fully_masked_rows_are_zero=semantics == "zero")
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
         if top == "megatron" or top in BLOCKED_ROOTS or top.endswith("_cuda"):
@@ -108,7 +108,7 @@ def main() -> None:
         print(json.dumps({"missing_dependency": top}))
 
 
-def check(zero_fully_masked: bool) -> None:
+def check(fully_masked_rows_are_zero: bool) -> None:
     import torch
 
     rocm_port = first_module("megatron.core.rocm_port", "megatron.rocm_port")
@@ -132,7 +132,7 @@ def check(zero_fully_masked: bool) -> None:
         "batch_per_block": module.get_batch_per_block(1024, 1024, 2, 16) if hasattr(module, "get_batch_per_block") else None,
         "layer_norm_err": float((ln - ln_ref).abs().max()),
         "fully_masked_zero": rocm_port.FULLY_MASKED_ROWS_ARE_ZERO,
-        "softmax": check_softmax(fused_softmax, torch, zero_fully_masked),
+        "softmax": check_softmax(fused_softmax, torch, fully_masked_rows_are_zero),
     }
     if layers is not None:
         main_grad = torch.zeros(5, 6)

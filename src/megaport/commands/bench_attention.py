@@ -118,7 +118,7 @@ def _variants(args, torch):
 
     def sdpa():
         port.sdpa_core_attention(q, k, v, scale=scale, causal=causal, mask=padding,
-                                 zero_dead_rows=port.FULLY_MASKED_ROWS_ARE_ZERO).backward(grad)
+                                 fully_masked_rows_are_zero=port.FULLY_MASKED_ROWS_ARE_ZERO).backward(grad)
 
     def port_softmax():
         gemms_around(lambda s: softmax.forward_fused_softmax(s, None if causal else padding))

@@ -704,7 +704,7 @@ def _capturing(device: torch.device) -> bool:
         return False
 
 
-def _softmax_forward_body(x, mask, scale: float, fill: float, causal: bool, zero_dead_rows: bool):
+def _softmax_forward_body(x, mask, scale: float, fill: float, causal: bool, fully_masked_rows_are_zero: bool):
     """The kernels' forward in one expression (fp32 math, results in the input dtype)."""
     w = x.to(torch.promote_types(x.dtype, torch.float32)) * scale
     if causal:
@@ -716,7 +716,7 @@ def _softmax_forward_body(x, mask, scale: float, fill: float, causal: bool, zero
     # exp(w - logsumexp) rather than e / sum(e): only w, a cheap function of x, is needed twice,
     # so the compiler recomputes it instead of storing an fp32 copy of the whole input.
     y = torch.exp(w - (top + torch.log(torch.exp(w - top).sum(-1, keepdim=True))))
-    if zero_dead_rows:
+    if fully_masked_rows_are_zero:
         y = y.masked_fill(top == fill, 0.0)
     return y.to(x.dtype)
 
@@ -756,18 +756,19 @@ def _run_compiled(key, body, device, *args):
     return out if out.is_contiguous() else out.contiguous()
 
 
-def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows, causal=False):
+def _scaled_softmax_forward(x, scale, mask, fill, fully_masked_rows_are_zero, causal=False):
     """softmax(masked_fill(x * scale, mask, fill)) with the kernels' fp32 math.
 
     ``mask`` is None or a bool tensor that broadcasts to ``x``'s ``(A, B, sq, sk)`` view;
     ``causal`` masks positions ``j > i`` instead (the mask is then built only if needed).
-    ``zero_dead_rows``: rows whose maximum after masking is exactly ``fill`` give zeros.
+    ``fully_masked_rows_are_zero``: rows whose maximum after masking is exactly ``fill`` give zeros.
     """
     compute = _compute_dtype(x)
     if x.numel():
-        kind = ("forward", x.dtype, causal, mask is None, zero_dead_rows)
+        kind = ("forward", x.dtype, causal, mask is None, fully_masked_rows_are_zero)
         y = _run_compiled(kind, _softmax_forward_body, x.device,
-                          x.reshape(_as4d(x.shape)), None if causal else mask, scale, fill, causal, zero_dead_rows)
+                          x.reshape(_as4d(x.shape)), None if causal else mask, scale, fill, causal,
+                          fully_masked_rows_are_zero)
         if y is not None:
             return y.view(x.shape)
     if causal:
@@ -780,7 +781,7 @@ def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows, causal=False):
     out4 = out.view(shape4)
     inplace = _inplace_kernels_ok(x.device)
     if _exact_in_input_dtype(x.dtype, scale) and _holds_exactly(x.dtype, fill):
-        _fill_scaled_softmax_(out4, x4, scale, mask, fill, zero_dead_rows, inplace)
+        _fill_scaled_softmax_(out4, x4, scale, mask, fill, fully_masked_rows_are_zero, inplace)
         return out
     workspace = None
     for idx in _blocks(shape4, _block_elements(x.device, x.numel())):
@@ -789,12 +790,12 @@ def _scaled_softmax_forward(x, scale, mask, fill, zero_dead_rows, causal=False):
             workspace = torch.empty(xb.numel(), dtype=compute, device=x.device)
         work = workspace[: xb.numel()].view(xb.shape)
         mb = None if mask is None else mask.expand(shape4)[idx]
-        _fill_scaled_softmax_(work, xb, scale, mb, fill, zero_dead_rows, inplace)
+        _fill_scaled_softmax_(work, xb, scale, mb, fill, fully_masked_rows_are_zero, inplace)
         out4[idx].copy_(work)
     return out
 
 
-def _fill_scaled_softmax_(work, x, scale, mask, fill, zero_dead_rows, inplace):
+def _fill_scaled_softmax_(work, x, scale, mask, fill, fully_masked_rows_are_zero, inplace):
     """``work = softmax(masked_fill(x * scale, mask, fill))``, all of it inside ``work``."""
     if scale == 1.0:
         work.copy_(x)
@@ -802,7 +803,7 @@ def _fill_scaled_softmax_(work, x, scale, mask, fill, zero_dead_rows, inplace):
         torch.mul(x, scale, out=work)
     if mask is not None:
         work.masked_fill_(mask, fill)
-    dead = work.amax(-1, keepdim=True) == fill if zero_dead_rows else None
+    dead = work.amax(-1, keepdim=True) == fill if fully_masked_rows_are_zero else None
     _softmax_(work, inplace)
     if dead is not None:
         work.masked_fill_(dead, 0.0)
@@ -962,13 +963,13 @@ def sdpa_backend(query, key, value, mask, dropout_p: float, causal: bool, scale:
 
 
 def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=None, dropout_p: float = 0.0,
-                        zero_dead_rows: bool = True):
+                        fully_masked_rows_are_zero: bool = True):
     """Megatron's core attention in one SDPA call.
 
     ``query`` [sq, b, np, dk], ``key`` [sk, b, ng, dk], ``value`` [sk, b, ng, dv] (ng divides np:
     GQA); ``mask`` None or bool broadcastable to [b, np, sq, sk], True = masked (Megatron's
     convention); ``causal`` ignores ``mask``, as the causal kernel does. Returns the context
-    [sq, b, np * dv]. A fully masked row gives zeros where ``zero_dead_rows`` (the kernel since
+    [sq, b, np * dv]. A fully masked row gives zeros where ``fully_masked_rows_are_zero`` (the kernel since
     2022-07) and otherwise the mean of the values (the uniform row of the softmax of -10000.0s).
     """
     sq, b, heads, dk = query.shape
@@ -988,7 +989,7 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs)
     if dead is not None:
-        if zero_dead_rows:
+        if fully_masked_rows_are_zero:
             out = out.masked_fill(dead, 0.0)
         else:
             mean = v.mean(dim=-2, keepdim=True)
@@ -1066,7 +1067,7 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
                       "slower than the softmax path)")
     scale = _core_attention_scale(core)
     kwargs = dict(scale=scale, causal=causal, mask=None if causal else attention_mask, dropout_p=dropout,
-                  zero_dead_rows=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)
+                  fully_masked_rows_are_zero=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)
     key_name = (query.device.type, query.dtype, key.shape[2] != query.shape[2], causal, dropout > 0)
     if key_name not in _SDPA_SAID:
         _SDPA_SAID.add(key_name)

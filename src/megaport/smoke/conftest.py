@@ -31,7 +31,7 @@ class Smoke:
 
     tree: Path
     device_kind: str
-    zero_fully_masked: bool
+    fully_masked_rows_are_zero: bool
     series: str
     state: dict
     stand_ins: Path
@@ -104,7 +104,7 @@ def pytest_configure(config):
     smoke = Smoke(
         tree=tree,
         device_kind=config.getoption("--megaport-device"),
-        zero_fully_masked=rows == "zero",
+        fully_masked_rows_are_zero=rows == "zero",
         series=config.getoption("--megaport-series") or state.get("series", "?"),
         state=state,
         stand_ins=stand_ins,
@@ -152,7 +152,7 @@ def pytest_unconfigure(config):
 
 def pytest_report_header(config):
     smoke = config.stash[_tree.SMOKE_KEY]
-    rows = "zero" if smoke.zero_fully_masked else "uniform"
+    rows = "zero" if smoke.fully_masked_rows_are_zero else "uniform"
     return [f"megaport smoke: tree {smoke.tree}, device {smoke.device_kind}, series {smoke.series}, "
             f"fully masked rows {rows}"]
 
@@ -431,7 +431,7 @@ def pytest_sessionfinish(session, exitstatus):
         "series": smoke.series,
         "upstream_ref": smoke.state.get("upstream_ref"),
         "upstream_sha": smoke.state.get("upstream_sha"),
-        "fully_masked_rows": "zero" if smoke.zero_fully_masked else "uniform",
+        "fully_masked_rows": "zero" if smoke.fully_masked_rows_are_zero else "uniform",
         "blocked_modules_preloaded": results["preloaded"],
         **smoke.facts,
     })

@@ -29,7 +29,7 @@ def causal_future(sq: int, sk: int, device=None, rows=None):
     return torch.arange(sk, device=device)[None, :] > rows[:, None]
 
 
-def softmax(x, scale: float, *, mask=None, causal: bool = False, zero_fully_masked: bool = True, rows=None):
+def softmax(x, scale: float, *, mask=None, causal: bool = False, fully_masked_rows_are_zero: bool = True, rows=None):
     """The kernels' forward in fp64, from the (already rounded) input values.
 
     ``rows``: for causal, the query row index of each row of ``x`` (when x holds a subset).
@@ -46,7 +46,7 @@ def softmax(x, scale: float, *, mask=None, causal: bool = False, zero_fully_mask
     m = z.max(-1, keepdim=True).values
     e = torch.exp(z - m)
     y = e / e.sum(-1, keepdim=True)
-    if mask is not None and not causal and zero_fully_masked:
+    if mask is not None and not causal and fully_masked_rows_are_zero:
         full = mask.to(z.device).expand(z.shape).all(-1, keepdim=True)
         y = torch.where(full, torch.zeros_like(y), y)
     return y
@@ -75,7 +75,7 @@ def max_error(actual, expected) -> float:
     return (actual.double().to(expected.device) - expected).abs().max().item()
 
 
-def core_attention(q, k, v, scale: float, *, causal: bool = False, mask=None, zero_fully_masked: bool = True):
+def core_attention(q, k, v, scale: float, *, causal: bool = False, mask=None, fully_masked_rows_are_zero: bool = True):
     """Megatron's unfused core attention in fp64: ``q`` [sq, b, np, dk], ``k`` [sk, b, ng, dk], ``v``
     [sk, b, ng, dv] (ng divides np: K/V repeated per group, as upstream does), the kernels' softmax
     (:func:`softmax`) between the two GEMMs; context [sq, b, np * dv]."""
@@ -83,6 +83,6 @@ def core_attention(q, k, v, scale: float, *, causal: bool = False, mask=None, ze
     repeat = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
     probs = softmax(q @ k.transpose(-1, -2), scale, mask=None if causal else mask, causal=causal,
-                    zero_fully_masked=zero_fully_masked)
+                    fully_masked_rows_are_zero=fully_masked_rows_are_zero)
     out = probs @ v
     return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)

@@ -53,7 +53,7 @@ def forward_backward(attention, q, k, v, grad):
 def expected(q, k, v, grad, scale, causal, mask, zero):
     leaves = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
     out = ref.core_attention(*leaves, scale, causal=causal, mask=None if mask is None else mask.cpu(),
-                             zero_fully_masked=zero)
+                             fully_masked_rows_are_zero=zero)
     out.backward(grad.double().cpu())
     return out.detach(), [t.grad for t in leaves]
 
@@ -67,9 +67,10 @@ def test_sdpa_core_attention_matches_fp64_reference(smoke, rocm_port, device, ki
     scale = 1 / math.sqrt(q.shape[-1])
     given = mask if kind == "padding" else None
     out, grads = forward_backward(
-        lambda *t: sdpa(*t, scale=scale, causal=kind == "causal", mask=given, zero_dead_rows=smoke.zero_fully_masked),
+        lambda *t: sdpa(*t, scale=scale, causal=kind == "causal", mask=given,
+                        fully_masked_rows_are_zero=smoke.fully_masked_rows_are_zero),
         q, k, v, grad)
-    want, want_grads = expected(q, k, v, grad, scale, kind == "causal", given, smoke.zero_fully_masked)
+    want, want_grads = expected(q, k, v, grad, scale, kind == "causal", given, smoke.fully_masked_rows_are_zero)
     check(out, want, dtype_id, "forward")
     for name, got, reference in zip(("dq", "dk", "dv"), grads, want_grads):
         check(got, reference, dtype_id, name)
@@ -113,7 +114,7 @@ def _check_routed(smoke, cls, fused_softmax, device, *, softmax_scale):
                                 softmax_scale=softmax_scale)
         out, grads = forward_backward(lambda *t: core(*t, mask if kind == "padding" else None), q, k, v, grad)
         want, want_grads = expected(q, k, v, grad, 1 / math.sqrt(32), kind == "causal",
-                                    mask if kind == "padding" else None, smoke.zero_fully_masked)
+                                    mask if kind == "padding" else None, smoke.fully_masked_rows_are_zero)
         check(out, want, dtype_id, f"{cls.__name__} {kind} forward")
         for name, got, reference in zip(("dq", "dk", "dv"), grads, want_grads):
             check(got, reference, dtype_id, f"{cls.__name__} {kind} {name}")

@@ -65,7 +65,7 @@ def run(fs, kind, x, mask, scale):
 
 def expected(smoke, kind, x, mask, scale):
     return ref.softmax(x, scale, mask=mask if kind == "masked" else None, causal=kind == "causal",
-                       zero_fully_masked=smoke.zero_fully_masked)
+                       fully_masked_rows_are_zero=smoke.fully_masked_rows_are_zero)
 
 
 def inputs(shape, dtype, device, seed=1):
@@ -95,7 +95,7 @@ def test_softmax_forward_matches_fp64_reference(fused_softmax, smoke, device, ki
     assert y.dtype == dtype, f"output dtype {y.dtype}, input {dtype}: the kernels return the input dtype"
     assert y.shape == x.shape
     want = ref.softmax(pick(x), SCALE, mask=None if mask is None else pick(mask), causal=kind == "causal",
-                       zero_fully_masked=smoke.zero_fully_masked, rows=rows)
+                       fully_masked_rows_are_zero=smoke.fully_masked_rows_are_zero, rows=rows)
     err = ref.max_error(pick(y), want)
     assert err <= ref.tolerance(dtype), f"{kind} forward ({dtype_id}, {tuple(shape)}): max error {err:.3g}"
 
@@ -171,7 +171,7 @@ def test_masked_elements_are_minus_10000_not_inf(fused_softmax, smoke, device, d
     mask = torch.zeros((1, 1, 4, 8), dtype=torch.bool)
     mask[..., :3] = True  # three masked elements per row
     y = fused_softmax.ScaledMaskedSoftmax.apply(x.to(device), mask.to(device), scale).double().cpu()
-    want = ref.softmax(x, scale, mask=mask, zero_fully_masked=smoke.zero_fully_masked)
+    want = ref.softmax(x, scale, mask=mask, fully_masked_rows_are_zero=smoke.fully_masked_rows_are_zero)
     got, expect = y[..., :3], want[..., :3]
     assert expect.min().item() > 0
     rel = ((got - expect).abs() / expect).max().item()
@@ -193,12 +193,12 @@ def test_fully_masked_rows_follow_the_era(fused_softmax, smoke, device, dtype_id
     mask = mask.to(device)
     y = fused_softmax.ScaledMaskedSoftmax.apply(x, mask, SCALE).double().cpu()
     rows = torch.cat([y[0, :, 2], y[1, :, 0]])
-    want = "zeros" if smoke.zero_fully_masked else "uniform 1/sk"
-    target = torch.zeros_like(rows) if smoke.zero_fully_masked else torch.full_like(rows, 1 / 24)
+    want = "zeros" if smoke.fully_masked_rows_are_zero else "uniform 1/sk"
+    target = torch.zeros_like(rows) if smoke.fully_masked_rows_are_zero else torch.full_like(rows, 1 / 24)
     assert not torch.isnan(rows).any(), "fully masked rows came out NaN (-inf masking?)"
     assert torch.allclose(rows, target, atol=ref.tolerance(dtype)), (
         f"fully masked rows must be {want} in this era (series {smoke.series}, catalogue "
-        f"fully_masked_rows={'zero' if smoke.zero_fully_masked else 'uniform'}); got {rows[0, :4].tolist()}")
+        f"fully_masked_rows={'zero' if smoke.fully_masked_rows_are_zero else 'uniform'}); got {rows[0, :4].tolist()}")
 
 
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
@@ -218,7 +218,7 @@ def test_gradcheck_fp64(fused_softmax, smoke, device, kind):
     x = torch.randn(shape, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
     # A fully masked row is constant in x; its backward only matches the derivative where the
     # era zeroes it (older kernels return a uniform row yet still apply the formula).
-    mask = make_mask(shape, device, fully_masked_row=smoke.zero_fully_masked) if kind == "masked" else None
+    mask = make_mask(shape, device, fully_masked_row=smoke.fully_masked_rows_are_zero) if kind == "masked" else None
 
     def fn(t):
         return run(fused_softmax, kind, t, mask, 0.7)
