@@ -65,7 +65,7 @@ FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion"
 
 
 @dataclasses.dataclass
-class Run(example.Sizes):
+class HarnessRun(example.Sizes):
     """Sizes and schedule of one run; the defaults are a tiny model that trains in seconds on CPU."""
 
     tree: str = ""
@@ -90,7 +90,7 @@ def _filtered(cls, wanted: dict) -> dict:
     return {k: v for k, v in wanted.items() if k in known}
 
 
-def _batches(run: Run, torch):
+def _batches(run: HarnessRun, torch):
     """Mock data, the same for every tree: runs of consecutive tokens with random starts, which a
     model learns within a few steps (so the loss falls), one fresh batch per step."""
     gen = torch.Generator().manual_seed(run.seed)
@@ -157,7 +157,7 @@ def cpu_device_placement(torch, substitutions: list):
             setattr(torch.cuda, name, value)
 
 
-def upstream_args(run: Run, facts: dict):
+def upstream_args(run: HarnessRun, facts: dict):
     """Upstream's own parse_args + validate_args on the shrunk example flags, or None for trees
     without megatron/training (PyPI's megatron-core before 0.17)."""
     try:
@@ -201,7 +201,7 @@ def _ddp_module():
     return module if hasattr(module, "DistributedDataParallel") and hasattr(optimizer, "OptimizerConfig") else None
 
 
-def _config(run: Run, torch, facts: dict):
+def _config(run: HarnessRun, torch, facts: dict):
     tc = importlib.import_module("megatron.core.transformer.transformer_config")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[run.dtype]
     on = run.mode == "ported"
@@ -250,7 +250,7 @@ def default_transformer_impl(tree: str) -> tuple[str, str]:
     return "transformer_engine", "the era (no arguments.py in the tree)"
 
 
-def _layer_spec(run: Run, facts: dict, impl_from_args=None):
+def _layer_spec(run: HarnessRun, facts: dict, impl_from_args=None):
     specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
     if impl_from_args:
         impl, source = impl_from_args, "upstream's parser"
@@ -290,7 +290,7 @@ def _wrap_ddp(config, model, facts: dict):
     return ddp, True
 
 
-def _optimizer(run: Run, model, dtype, facts: dict, torch, args=None):
+def _optimizer(run: HarnessRun, model, dtype, facts: dict, torch, args=None):
     try:
         opt_mod = importlib.import_module("megatron.core.optimizer")
     except ModuleNotFoundError:
@@ -320,7 +320,7 @@ def _peak_memory(torch, gpu: bool) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def train(run: Run) -> dict:
+def train(run: HarnessRun) -> dict:
     """Build, train ``run.steps`` steps, and return losses, timings, memory and what was used."""
     import torch
     import torch.distributed as dist
@@ -435,7 +435,7 @@ def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torc
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = Run(tree="")
+    defaults = HarnessRun(tree="")
     parser.add_argument("--tree", required=True)
     parser.add_argument("--mode", choices=MODES, default=defaults.mode)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device)
@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     args = vars(parser.parse_args(argv))
     args["position_embedding"] = args.pop("position_embedding")
     try:
-        document = train(Run(**args))
+        document = train(HarnessRun(**args))
     except BaseException as exc:
         failure.record(exc)  # what it died of, for the baseline's choice of shims
         raise
