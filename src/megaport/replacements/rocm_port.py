@@ -1168,6 +1168,7 @@ def _sdpa_in_legacy_core_attention(module) -> None:
 # they serve; the table above is read when each module loads, after this module has run).
 _AFTER_IMPORT_ALWAYS.update({
     "megatron.core.transformer.dot_product_attention": _sdpa_in_dot_product_attention,
+    "megatron.core.transformer.core_attention": _sdpa_in_legacy_core_attention,  # its name 2023-06-29 … 07-24
     "megatron.legacy.model.transformer": _sdpa_in_legacy_core_attention,
     "megatron.model.transformer": _sdpa_in_legacy_core_attention,
 })
