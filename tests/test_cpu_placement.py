@@ -102,7 +102,7 @@ def _import_fork_module(tmp_path, pretrain_source: str):
     (tree / "fork_module.py").write_text(_FORK_MODULE)
     code = textwrap.dedent(f"""
         import sys, torch
-        from megaport.deepspeed import install_cpu_check_substitution
+        from megaport.deepspeed_fork import install_cpu_check_substitution
         print("substituted:", install_cpu_check_substitution({str(tree)!r}, torch))
         print("cpu constructors:", torch.cuda.FloatTensor is torch.FloatTensor)
         sys.path.insert(0, {str(tree)!r})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megaport import deepspeed
+from megaport import deepspeed_fork
 from megaport.smoke import _fork
 from megaport.train import deepspeed_example, example, pretrain
 from megaport.train.failure import Failure, Frame
@@ -102,14 +102,14 @@ def test_upstream_tree_is_not_a_fork(tmp_path):
     (tree / "pretrain_gpt.py").write_text("import torch\nfrom megatron import get_args\n")
     (tree / "examples/run_deepspeed_example.sh").write_text(SCRIPT)
     assert deepspeed_example.fork_example(str(tree), str(tmp_path), example.Sizes()) is None
-    assert deepspeed.accelerator_env(tree, {}) == {}
+    assert deepspeed_fork.accelerator_env(tree, {}) == {}
 
 
 def test_fork_trees_run_with_deepspeeds_gpu_accelerator_unless_the_user_chose(tmp_path):
     tree = fork_tree(tmp_path / "tree")
-    assert deepspeed.accelerator_env(tree, {})[deepspeed.ACCELERATOR_ENV] == "cuda"
-    assert deepspeed.accelerator_env(tree, {deepspeed.ACCELERATOR_ENV: "cpu"})[deepspeed.ACCELERATOR_ENV] == "cpu"
-    assert pretrain.environment(str(tree), {})[deepspeed.ACCELERATOR_ENV] == "cuda"
+    assert deepspeed_fork.accelerator_env(tree, {})[deepspeed_fork.ACCELERATOR_ENV] == "cuda"
+    assert deepspeed_fork.accelerator_env(tree, {deepspeed_fork.ACCELERATOR_ENV: "cpu"})[deepspeed_fork.ACCELERATOR_ENV] == "cpu"
+    assert pretrain.environment(str(tree), {})[deepspeed_fork.ACCELERATOR_ENV] == "cuda"
 
 
 def test_the_command_carries_the_fork_example_and_its_deepspeed_flags(tmp_path):

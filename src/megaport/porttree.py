@@ -271,6 +271,6 @@ def subprocess_env(tree: Path) -> dict:
 
         env["PYTHONPYCACHEPREFIX"] = str(default_home() / "pycache")
     # A Megatron-DeepSpeed tree takes the code paths of DeepSpeed's GPU accelerator, as on ROCm.
-    from megaport.deepspeed import accelerator_env
+    from megaport.deepspeed_fork import accelerator_env
 
     return accelerator_env(tree, env)

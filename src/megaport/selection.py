@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from megaport.catalogue import UPSTREAM_REPOSITORY, Catalogue, Fork, Series
 from megaport.errors import MegaportError
@@ -109,8 +110,24 @@ def recognised(series: Series, facts: TreeFacts, tree: TreeReader) -> bool:
 
 
 def _file_has(tree: TreeReader, path: str, text: str) -> bool:
+    """Whether the file holds ``text``; a mark that starts with a newline (a whole line) also holds
+    on the file's first line."""
     content = tree.read(path)
-    return content is not None and text.encode("utf-8") in content
+    return content is not None and text.encode("utf-8") in b"\n" + content
+
+
+class FolderReader:
+    """A tree on disk as a :class:`TreeReader` (a ported tree, an exported baseline)."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+
+    def read(self, path: str) -> bytes | None:
+        file = self.root / path
+        return file.read_bytes() if file.is_file() else None
+
+    def exists(self, path: str) -> bool:
+        return (self.root / path).exists()
 
 
 def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:

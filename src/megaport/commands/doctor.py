@@ -313,9 +313,9 @@ def doctor(console, *, json_file: str | None = None, environ=None, info: dict | 
     if info.get("arch_list"):
         table.add_row("torch built for", " ".join(info["arch_list"]))
     if deepspeed_status is False:  # not given: ask DeepSpeed itself (a subprocess; None when not installed)
-        from megaport import deepspeed
+        from megaport import deepspeed_fork
 
-        deepspeed_status = deepspeed.status()
+        deepspeed_status = deepspeed_fork.status()
     table.add_row("DeepSpeed", escape(deepspeed_row(deepspeed_status)))
     console.print(table)
 

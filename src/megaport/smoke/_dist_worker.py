@@ -169,7 +169,7 @@ def main() -> int:
     results: dict = {"rank": rank, "world_size": world}
     if args.device == "cpu":
         # Before the tree's first import: a fork tree builds CUDA tensors at import.
-        from megaport.deepspeed import install_cpu_check_substitution
+        from megaport.deepspeed_fork import install_cpu_check_substitution
 
         install_cpu_check_substitution(tree, torch)
     device = _start_process_group(results, torch, dist, args, rank, int(os.environ.get("LOCAL_RANK", rank)))

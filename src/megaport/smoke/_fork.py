@@ -14,7 +14,7 @@ from pathlib import Path
 
 def set_default_args(tree) -> bool:
     """Set the fork's global args to its parser's defaults if a fork tree has none yet; True if set."""
-    from megaport.deepspeed import is_deepspeed_tree
+    from megaport.deepspeed_fork import is_deepspeed_tree
 
     if not is_deepspeed_tree(tree) or not (Path(tree) / "megatron/core").is_dir():
         return False  # the 2021-2022 fork has megatron/mpu, which takes args like upstream's of its time

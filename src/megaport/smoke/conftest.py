@@ -124,7 +124,7 @@ def _cpu_check_substitutions(smoke: Smoke) -> None:
         return  # the torch fixture reports it
     import torch
 
-    from megaport.deepspeed import install_cpu_check_substitution
+    from megaport.deepspeed_fork import install_cpu_check_substitution
 
     line = install_cpu_check_substitution(smoke.tree, torch)
     if line:

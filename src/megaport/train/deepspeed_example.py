@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from megaport.deepspeed import is_deepspeed_tree
+from megaport.deepspeed_fork import is_deepspeed_tree
 from megaport.train import example
 
 #: The fork's plain GPT example, newest layout first.

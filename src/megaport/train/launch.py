@@ -61,10 +61,10 @@ def main(argv=None) -> int:
 
         placement = substitutions.install(torch)
         lines = list(substitutions.SUBSTITUTIONS)
-        from megaport import deepspeed
+        from megaport import deepspeed_fork
 
-        if deepspeed.is_deepspeed_tree(os.path.dirname(os.path.abspath(argv[0]))):
-            lines.append(deepspeed.install_cpu_substitution())
+        if deepspeed_fork.is_deepspeed_tree(os.path.dirname(os.path.abspath(argv[0]))):
+            lines.append(deepspeed_fork.install_cpu_substitution())
         for line in lines:
             print(f"{substitutions.MARK} {line}", flush=True)
     if listing:

@@ -29,7 +29,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 
-from megaport import deepspeed
+from megaport import deepspeed_fork
 from megaport.train import deepspeed_example, example, failure, log
 from megaport.train.shims import audit
 from megaport.train.cpu import MARK as CPU_MARK
@@ -132,7 +132,7 @@ def environment(tree: str, base: dict | None = None) -> dict:
     folders = [os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or ""]
     env.update(PYTHONPATH=os.pathsep.join(paths), CUDA_DEVICE_MAX_CONNECTIONS="1",
                PATH=os.pathsep.join([f for f in folders if f] + [env.get("PATH", "")]))
-    return deepspeed.accelerator_env(tree, env)
+    return deepspeed_fork.accelerator_env(tree, env)
 
 
 def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
@@ -143,7 +143,7 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
     A Megatron-DeepSpeed tree runs its example with DeepSpeed's engine; where the engine refuses
     this machine (:func:`deepspeed_example.engine_refused`), it runs again through Megatron's own
     loop, and ``engine`` in the result says which ran and why."""
-    if deepspeed.is_deepspeed_tree(run.tree) and run.engine == "deepspeed":
+    if deepspeed_fork.is_deepspeed_tree(run.tree) and run.engine == "deepspeed":
         try:
             document = _run_pretrain(run, env, timeout=timeout)
         except RuntimeError as exc:
@@ -158,7 +158,7 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
         document["engine"] = {"name": "deepspeed", "described": deepspeed_example.DESCRIBE["deepspeed"]}
         return document
     document = _run_pretrain(run, env, timeout=timeout)
-    if deepspeed.is_deepspeed_tree(run.tree):
+    if deepspeed_fork.is_deepspeed_tree(run.tree):
         document["engine"] = {"name": run.engine, "described": deepspeed_example.DESCRIBE[run.engine]}
     return document
 
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         os.makedirs(workdir, exist_ok=True)
         cmd = command(run, workdir, port=29500)
         env = environment(run.tree, {})
-        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed.ACCELERATOR_ENV)
+        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed_fork.ACCELERATOR_ENV)
                          if k in env}))
         return 0
     print(json.dumps(run_pretrain(run)))

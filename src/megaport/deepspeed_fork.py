@@ -10,21 +10,32 @@ takes on a ROCm GPU, with megaport's CPU substitutions under them (:mod:`megapor
 
 from __future__ import annotations
 
-import os
-import re
+import functools
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
 #: What DeepSpeed picks on ROCm (and CUDA) GPUs, and so what a check of the port must run.
 GPU_ACCELERATOR = "cuda"
 
 
+#: The fork's repository, as the catalogue's ``[[fork]]`` names it.
+REPOSITORY = "microsoft/Megatron-DeepSpeed"
+
+
+@functools.lru_cache(maxsize=1)
+def _catalogue_forks() -> tuple:
+    from megaport.catalogue import load_catalogue
+
+    return load_catalogue().forks
+
+
 def is_deepspeed_tree(tree) -> bool:
-    """A Megatron-DeepSpeed tree: its pretrain_gpt.py imports deepspeed at module level."""
-    path = os.path.join(str(tree), "pretrain_gpt.py")
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return re.search(r"^import deepspeed\b", f.read(), re.M) is not None
+    """A Megatron-DeepSpeed tree: the catalogue's ``[[fork]]`` marks for it hold, the one rule
+    ``apply`` also gives the tree the fork's series by (its pretrain_gpt.py or initialize.py imports
+    deepspeed at module level)."""
+    from megaport.selection import FolderReader, tree_fork
+
+    fork, _ = tree_fork(FolderReader(tree), _catalogue_forks())
+    return fork is not None and fork.repository == REPOSITORY
 
 
 def accelerator_env(tree, env: dict) -> dict:
