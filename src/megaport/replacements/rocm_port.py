@@ -541,6 +541,9 @@ def _serve_te_names(module) -> None:
         _serve_te_layer_specs(module)
     if module.__name__ == "megatron.core.models.backends":
         _say_grouped_gemm_runs_sequential(module)
+    if module.__name__ == "megatron.core.transformer.multi_latent_attention":
+        _mla_query_norm_as_te_spec(module)
+        _mla_duplicated_down_projections(module)
 
 
 def _say_grouped_gemm_runs_sequential(module) -> None:
@@ -595,6 +598,62 @@ def _serve_mla_channels(module) -> None:
 
     cls.__init__ = __init__
     cls._rocm_port_channels = True
+
+
+def _mla_query_norm_as_te_spec(module) -> None:
+    """TE's MLA spec fuses the query norm into ``linear_q_up_proj``, so without ``--q-lora-rank``
+    (DeepSeek-V2-Lite) its model has no query norm; the local spec the port builds in its place
+    names a separate q_layernorm, which upstream (2026 on) rejects there. With
+    ``--transformer-impl transformer_engine`` and no q LoRA it is dropped, as TE's model has it."""
+    cls = getattr(module, "MLASelfAttention", None)
+    if cls is None or getattr(cls, "_rocm_port_q_norm", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, config, submodules=None, *args, **kwargs):
+        wanted_te = getattr(config, "transformer_impl", "transformer_engine") == "transformer_engine"
+        q_norm = getattr(submodules, "q_layernorm", None)
+        if (wanted_te and getattr(config, "q_lora_rank", None) is None and q_norm is not None
+                and getattr(q_norm, "__name__", "") != "IdentityOp"):
+            import dataclasses
+
+            submodules = dataclasses.replace(submodules, q_layernorm=None)
+            say_once("MLA without --q-lora-rank: TransformerEngine's spec has no query norm there (it fuses "
+                     "it into linear_q_up_proj), so the local spec's q_layernorm is dropped likewise")
+        return original(self, config, submodules, *args, **kwargs)
+
+    cls.__init__ = __init__
+    cls._rocm_port_q_norm = True
+
+
+def _mla_duplicated_down_projections(module) -> None:
+    """MLA of 2025-01 … 2025-05 builds its down projections with TE's ``parallel_mode="duplicated"``
+    whatever the spec names; the local spec names ColumnParallelLinear, which takes no such
+    argument (upstream later passed it ``gather_output=False`` instead). At tensor-parallel size 1
+    a column-parallel linear is the duplicated one; above it, it would not be: an error."""
+    build = getattr(module, "build_module", None)
+    if build is None or getattr(build, "_rocm_port_duplicated", False):
+        return
+
+    @functools.wraps(build)
+    def build_module(spec, *args, **kwargs):
+        target = getattr(spec, "module", spec)
+        if kwargs.get("parallel_mode") == "duplicated" and isinstance(target, type) and \
+                "parallel_mode" not in inspect.signature(target.__init__).parameters:
+            config = kwargs.get("config")
+            if getattr(config, "tensor_model_parallel_size", 1) != 1:
+                raise ValueError(f"MLA's duplicated down projection needs TransformerEngine's linear at "
+                                 f"tensor-parallel size {config.tensor_model_parallel_size}; {target.__name__} "
+                                 "would split it (use tensor-parallel size 1)")
+            kwargs.pop("parallel_mode")
+            kwargs.setdefault("gather_output", False)
+            say_once(f"MLA's down projections ask for TransformerEngine's duplicated linear: built as "
+                     f"{target.__name__} (the same at tensor-parallel size 1)")
+        return build(spec, *args, **kwargs)
+
+    build_module._rocm_port_duplicated = True
+    module.build_module = build_module
 
 
 def _gmm(a, b, batch_sizes, trans_b: bool = False):

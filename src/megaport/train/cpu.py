@@ -216,10 +216,30 @@ def _rng(torch) -> None:
 
 def _streams(torch) -> None:
     cuda = torch.cuda
-    cuda.Stream = torch.cpu.Stream
+
+    class HostStream(torch.cpu.Stream):
+        """torch.cpu.Stream, whose ``record_event`` gives an event (torch's gives None): MoE's
+        all-to-all dispatcher (2025-12 on) synchronizes on the event its copy stream records."""
+
+        def record_event(self, event=None):
+            event = HostEvent() if event is None else event
+            event.record(self)
+            return event
+
+        def synchronize(self):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    cuda.Stream = HostStream
     cuda.stream = torch.cpu.stream
-    cuda.current_stream = lambda device=None: torch.cpu.current_stream()
-    cuda.default_stream = lambda device=None: torch.cpu.current_stream()
+    host_stream = HostStream()  # the one stream there is (torch.cpu.current_stream() has no synchronize)
+    cuda.current_stream = lambda device=None: host_stream
+    cuda.default_stream = lambda device=None: host_stream
     cuda.set_stream = lambda stream: None
     cuda.Event = HostEvent
     nvtx = cuda.nvtx
