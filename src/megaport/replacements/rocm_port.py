@@ -533,15 +533,30 @@ def _te_norm_is_the_port_norm(module) -> None:
                  "(LayerNorm or RMSNorm, zero-centered gamma as TE)")
 
 
+# TE helpers a module tests against None before use but leaves undefined without TE (core 0.14-0.15's
+# moe_utils: the router's GEMM); None is upstream's own "no TE" value there, which runs it in PyTorch.
+_TE_NONE_NAMES = {"megatron.core.transformer.moe.moe_utils": ("te_general_gemm",)}
+
+
 def _serve_te_names(module) -> None:
     """The after-import step of a module that names TE's norm (and, for the GPT specs, the TE
-    layer specs too)."""
+    layer specs too), or TE helpers it tests against None."""
+    for name in _TE_NONE_NAMES.get(module.__name__, ()):
+        if not hasattr(module, name):
+            setattr(module, name, None)
+    if module.__name__ in _TE_NONE_NAMES:
+        return
     _te_norm_is_the_port_norm(module)
     if module.__name__ == _GPT_SPECS_MODULE:
         _serve_te_layer_specs(module)
     if module.__name__ == "megatron.core.models.backends":
         _say_grouped_gemm_runs_sequential(module)
+        _te_backend_is_local(module)
     if module.__name__ == "megatron.core.transformer.multi_latent_attention":
+        # core 0.14-0.16 set HAVE_TE when its TE extension module imports, which it does without TE
+        # (its TE names are mocks): isinstance(linear_proj, TELinear) then raises. There is no TE.
+        if getattr(module, "HAVE_TE", False):
+            module.HAVE_TE = False
         _mla_query_norm_as_te_spec(module)
         _mla_duplicated_down_projections(module)
 
@@ -601,12 +616,15 @@ def _serve_mla_channels(module) -> None:
 
 
 def _mla_query_norm_as_te_spec(module) -> None:
-    """TE's MLA spec fuses the query norm into ``linear_q_up_proj``, so without ``--q-lora-rank``
-    (DeepSeek-V2-Lite) its model has no query norm; the local spec the port builds in its place
-    names a separate q_layernorm, which upstream (2026 on) rejects there. With
-    ``--transformer-impl transformer_engine`` and no q LoRA it is dropped, as TE's model has it."""
+    """From 2026 MLA resolves its query/key norms at build time through the TE backend: with
+    ``--qk-layernorm`` and no ``--q-lora-rank`` (DeepSeek-V2-Lite) TE's model norms the hidden
+    states inside its query projection (LayerNormColumnParallelLinear), and rejects the separate
+    q_layernorm the local spec (which the port builds in TE's place) names. With
+    ``--transformer-impl transformer_engine`` that q_layernorm is left out, so the query projection
+    is the fused norm + linear the port's TE backend gives (:func:`_te_backend_is_local`), as in TE.
+    Eras that build MLA's q_layernorm only with a q LoRA are left as they are."""
     cls = getattr(module, "MLASelfAttention", None)
-    if cls is None or getattr(cls, "_rocm_port_q_norm", False):
+    if cls is None or not hasattr(cls, "_resolve_qk_norm_config") or getattr(cls, "_rocm_port_q_norm", False):
         return
     original = cls.__init__
 
@@ -619,12 +637,53 @@ def _mla_query_norm_as_te_spec(module) -> None:
             import dataclasses
 
             submodules = dataclasses.replace(submodules, q_layernorm=None)
-            say_once("MLA without --q-lora-rank: TransformerEngine's spec has no query norm there (it fuses "
-                     "it into linear_q_up_proj), so the local spec's q_layernorm is dropped likewise")
+            say_once("MLA with --qk-layernorm and no --q-lora-rank: the query norm sits in the query projection as in "
+                     "TransformerEngine's model (the port's norm, then ColumnParallelLinear)")
         return original(self, config, submodules, *args, **kwargs)
 
     cls.__init__ = __init__
     cls._rocm_port_q_norm = True
+
+
+def _norm_then(linear_cls):
+    """TE's LayerNormColumnParallelLinear in PyTorch: the port's :class:`Norm` (the config's
+    normalization, epsilon and zero-centered gamma) and then ``linear_cls``."""
+
+    class NormColumnParallelLinear(linear_cls):
+        def __init__(self, input_size, output_size, *args, config, **kwargs):
+            super().__init__(input_size, output_size, *args, config=config, **kwargs)
+            self.layer_norm = Norm(config, input_size, eps=getattr(config, "layernorm_epsilon", 1e-5))
+
+        def forward(self, input_, *args, **kwargs):
+            return super().forward(self.layer_norm(input_), *args, **kwargs)
+
+    NormColumnParallelLinear.__qualname__ = NormColumnParallelLinear.__name__
+    return NormColumnParallelLinear
+
+
+def _te_backend_is_local(module) -> None:
+    """``get_backend("transformer_engine")`` (2025-12 on; MLA resolves its layers through it) gives
+    the local backend without TE, with the port's norm + ColumnParallelLinear as its fused
+    norm-linear: TE's backend there hands out mock classes."""
+    get_backend, local = getattr(module, "get_backend", None), getattr(module, "LocalSpecProvider", None)
+    if get_backend is None or local is None or getattr(get_backend, "_rocm_port", False):
+        return
+    fused = _norm_then(module.ColumnParallelLinear)
+
+    class PortSpecProvider(local):
+        """The local backend where TransformerEngine's was asked for."""
+
+        def column_parallel_layer_norm_linear(self):
+            return fused
+
+    @functools.wraps(get_backend)
+    def wrapped(transformer_impl, *args, **kwargs):
+        if transformer_impl == "transformer_engine" and not _transformer_engine_installed():
+            return PortSpecProvider()
+        return get_backend(transformer_impl, *args, **kwargs)
+
+    wrapped._rocm_port = True
+    module.get_backend = wrapped
 
 
 def _mla_duplicated_down_projections(module) -> None:
@@ -733,7 +792,7 @@ _AFTER_IMPORT_WITHOUT_TE = {
     "megatron.core.transformer.moe.grouped_gemm_util": _serve_grouped_gemm,
     "megatron.training.arguments": _fp8_off_before_validation,
     "megatron.arguments": _fp8_off_before_validation,
-    **{name: _serve_te_names for name in _TE_NORM_USERS},
+    **{name: _serve_te_names for name in _TE_NORM_USERS + tuple(_TE_NONE_NAMES)},
 }
 
 
