@@ -220,3 +220,105 @@ def test_fp8_is_switched_off_with_one_line_before_validation(rp, capsys, monkeyp
 def test_no_fp8_says_nothing(rp, capsys):
     args = types.SimpleNamespace(fp8=None, bf16=True)
     assert rp.switch_off_fp8(args) is False and capsys.readouterr().out == ""
+
+
+class _FakeColumnParallelLinear(torch.nn.Module):
+    """Shaped like upstream's ColumnParallelLinear: (input_size, output_size, *, config, ...)."""
+
+    def __init__(self, input_size, output_size, *, config, bias=False, **kwargs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(output_size, input_size, dtype=torch.float64))
+
+    def forward(self, x):
+        return x @ self.weight.t(), None
+
+
+def _fake_backends():
+    module = types.ModuleType("megatron.core.models.backends")
+
+    class LocalSpecProvider:
+        def column_parallel_layer_norm_linear(self):
+            return None
+
+        def grouped_mlp_modules(self, moe_use_grouped_gemm):
+            return "SequentialMLP"
+
+    module.LocalSpecProvider = LocalSpecProvider
+    module.ColumnParallelLinear = _FakeColumnParallelLinear
+    module.get_backend = lambda impl: f"upstream {impl}"
+    return module
+
+
+def test_te_backend_without_te_is_local_with_the_port_norm_then_linear(rp, capsys):
+    module = _fake_backends()
+    rp._serve_te_names(module)
+    assert module.get_backend("local") == "upstream local"
+    backend = module.get_backend("transformer_engine")
+    assert isinstance(backend, module.LocalSpecProvider)
+    fused = backend.column_parallel_layer_norm_linear()
+    assert issubclass(fused, _FakeColumnParallelLinear)
+    config = _config("RMSNorm", True, layernorm_epsilon=1e-6)
+    layer = fused(8, 5, config=config, init_method=None, gather_output=False)
+    with torch.no_grad():
+        layer.layer_norm.weight.copy_(torch.linspace(-0.2, 0.2, 8))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    out, _ = layer(x)
+    want = ref_rms_norm(x, layer.layer_norm.weight.detach().double() + 1, 1e-6) @ layer.weight.detach().t()
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+    assert backend.grouped_mlp_modules(True) == "SequentialMLP"
+    assert "experts run as upstream's SequentialMLP" in capsys.readouterr().out
+
+
+def test_mla_duplicated_down_projection_is_column_parallel_at_tp1_only(rp):
+    module = types.ModuleType("megatron.core.transformer.multi_latent_attention")
+    built = []
+    module.build_module = lambda spec, *args, **kwargs: built.append((spec, args, kwargs))
+    rp._serve_te_names(module)
+    tp1 = types.SimpleNamespace(tensor_model_parallel_size=1)
+    module.build_module(_FakeColumnParallelLinear, 8, 4, parallel_mode="duplicated", config=tp1)
+    assert built[-1][2] == {"config": tp1, "gather_output": False}
+    with pytest.raises(ValueError, match="tensor-parallel size 2") as info:
+        module.build_module(_FakeColumnParallelLinear, 8, 4, parallel_mode="duplicated",
+                            config=types.SimpleNamespace(tensor_model_parallel_size=2))
+    assert "\n" not in str(info.value)
+
+    class TakesMode:
+        def __init__(self, *args, parallel_mode=None, **kwargs):
+            pass
+
+    module.build_module(TakesMode, 8, 4, parallel_mode="duplicated", config=tp1)
+    assert built[-1][2]["parallel_mode"] == "duplicated"  # a linear that takes it keeps it
+
+
+def test_mla_module_with_mocked_te_gets_have_te_false(rp):
+    module = types.ModuleType("megatron.core.transformer.multi_latent_attention")
+    module.HAVE_TE = True
+    rp._serve_te_names(module)
+    assert module.HAVE_TE is False
+
+
+def test_router_gemm_helper_left_undefined_is_none(rp):
+    module = types.ModuleType("megatron.core.transformer.moe.moe_utils")
+    rp._serve_te_names(module)
+    assert module.te_general_gemm is None and not hasattr(module, "TENorm")
+
+
+def test_port_norm_and_baseline_shim_norm_agree(rp):
+    """Two implementations written apart (the port's and the te-norm baseline shim's) of TE's norm."""
+    from megaport.train.shims import te_norm
+
+    for normalization in ("RMSNorm", "LayerNorm"):
+        config = _config(normalization, True)
+        port, shim = rp.Norm(config, 32), te_norm.TENormInTorch(config, 32)
+        with torch.no_grad():
+            for p in (port.weight, shim.weight):
+                p.copy_(torch.linspace(-0.3, 0.3, 32))
+        x = torch.randn(6, 32).to(torch.bfloat16)
+        assert torch.equal(port.to(torch.bfloat16)(x), shim.to(torch.bfloat16)(x)), normalization
+
+
+def test_port_gmm_and_baseline_shim_gmm_agree(rp):
+    from megaport.train.shims import grouped_gemm_loop
+
+    a, b = torch.randn(7, 4), torch.randn(3, 4, 5)
+    assert torch.equal(rp.grouped_gemm.ops.gmm(a, b, torch.tensor([2, 0, 5])), grouped_gemm_loop.gmm(a, b, [2, 0, 5]))

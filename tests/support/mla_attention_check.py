@@ -37,7 +37,7 @@ def main() -> int:
 
     model_parallel_cuda_manual_seed(1234)
     heads, qk_dim, rope_dim, v_dim, s, b = 4, 24, 8, 16, 12, 2
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, kv_channels=16,
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, kv_channels=8,
                                attention_dropout=0.0, masked_softmax_fusion=False, use_cpu_initialization=True)
     k_channels = qk_dim + rope_dim
     mscale = 0.1 * 0.707 * math.log(40) + 1.0  # yarn's mscale at scaling factor 40, mscale_all_dim 0.707
