@@ -322,3 +322,17 @@ def test_port_gmm_and_baseline_shim_gmm_agree(rp):
 
     a, b = torch.randn(7, 4), torch.randn(3, 4, 5)
     assert torch.equal(rp.grouped_gemm.ops.gmm(a, b, torch.tensor([2, 0, 5])), grouped_gemm_loop.gmm(a, b, [2, 0, 5]))
+
+
+def test_baseline_shim_builds_torch_norm_only_where_it_refuses():
+    from megaport.train.shims import te_norm
+
+    class WrappedTorchNorm:
+        def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+            assert not config.layernorm_zero_centered_gamma, "zero_centered_gamma not supported by torch LayerNorm"
+            return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+    module = types.SimpleNamespace(WrappedTorchNorm=WrappedTorchNorm)
+    te_norm.torch_norms(module)
+    assert isinstance(module.WrappedTorchNorm(_config("RMSNorm", False), 8), torch.nn.RMSNorm)
+    assert isinstance(module.WrappedTorchNorm(_config("RMSNorm", True), 8), te_norm.TENormInTorch)

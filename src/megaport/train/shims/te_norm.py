@@ -73,8 +73,9 @@ def _build_when(cls, refused) -> None:
 def torch_norms(module) -> None:
     for name in ("WrappedTorchNorm", "WrappedTorchLayerNorm"):
         if hasattr(module, name):
-            _build_when(getattr(module, name), lambda c: bool(c.layernorm_zero_centered_gamma)
-                        or (name == "WrappedTorchLayerNorm" and c.normalization != "LayerNorm"))
+            layer_norm_only = name == "WrappedTorchLayerNorm"
+            _build_when(getattr(module, name), lambda c, only=layer_norm_only: bool(c.layernorm_zero_centered_gamma)
+                        or (only and c.normalization != "LayerNorm"))
 
 
 def apex_norm(module) -> None:
