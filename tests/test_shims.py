@@ -87,6 +87,7 @@ def _missing(module: str) -> str:
     ("raise AssertionError('zero_centered_gamma not supported by torch LayerNorm')", "te-norm"),
     ("raise AssertionError('(RMSNorm) is not supported in FusedLayerNorm')", "te-norm"),
     ("TENorm", "te-norm"),
+    ("te_general_gemm", "te-norm"),
     ("raise AssertionError('Grouped GEMM is not available. Please run `pip install grouped_gemm`.')", "grouped-gemm"),
     ("def f(**kw):\n    pass\nf(1, k_channels=3)", None),  # a TypeError of another shape
     ("class DotProductAttention:\n    def __init__(self):\n        pass\nDotProductAttention(k_channels=3)",

@@ -16,12 +16,14 @@ from megaport.train.shims._pattern import Match
 
 NAME = "te-norm"
 DESCRIPTION = ("TransformerEngine's norm in plain PyTorch (RMSNorm/LayerNorm, zero-centered gamma) where upstream's "
-               "torch or apex norm refuses the config, or a spec names TENorm without TE")
+               "torch or apex norm refuses the config, or a spec names TENorm without TE; moe_utils' te_general_gemm, "
+               "left undefined without TE in core 0.14-0.15, None (upstream's own no-TE value)")
 ERAS = "E6-E8 (main 2024-06 on): Llama 3, Mixtral and DeepSeek-V2 specs"
 REPRODUCES = "TransformerEngine's TENorm (te.pytorch.RMSNorm/LayerNorm, zero_centered_gamma)"
 PATTERN = (Match(("AssertionError",), message=r"zero_centered_gamma not supported by torch"),
            Match(("AssertionError",), message=r"is not supported in FusedLayerNorm"),
-           Match(("NameError",), message=r"name 'TENorm' is not defined"))
+           Match(("NameError",), message=r"name 'TENorm' is not defined"),
+           Match(("NameError",), message=r"name 'te_general_gemm' is not defined"))
 
 _TE_NORM_MODULES = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.gpt.moe_module_specs",
                     "megatron.core.models.backends", "megatron.core.transformer.attention",
@@ -88,7 +90,13 @@ def te_norm_name(module) -> None:
         module.TENorm = TENormInTorch
 
 
+def router_gemm_helper(module) -> None:
+    if not hasattr(module, "te_general_gemm"):
+        module.te_general_gemm = None
+
+
 def install() -> None:
+    after_import("megatron.core.transformer.moe.moe_utils", router_gemm_helper)
     after_import("megatron.core.transformer.torch_norm", torch_norms)
     after_import("megatron.core.transformer.torch_layer_norm", torch_norms)
     after_import("megatron.core.fusions.fused_layer_norm", apex_norm)
