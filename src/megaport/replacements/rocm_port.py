@@ -524,10 +524,22 @@ _TE_NORM_USERS = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.mod
                   "megatron.core.transformer.multi_token_prediction")
 
 
+def _names(module, name: str) -> bool:
+    """Whether ``module``'s source names ``name`` (a module that never uses it gets nothing)."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            return name in source.read()
+    except OSError:
+        return True
+
+
 def _te_norm_is_the_port_norm(module) -> None:
     """``TENorm`` (and ``LayerNormImpl`` where it is TE's) is the port's :class:`Norm`: the MoE and
     MLA specs name it with no guard (a NameError, or None built as a module, without TE)."""
-    if getattr(module, "TENorm", None) is None:
+    if getattr(module, "TENorm", None) is None and _names(module, "TENorm"):
         module.TENorm = Norm
         say_once("TransformerEngine is not installed: TENorm is the port's PyTorch norm "
                  "(LayerNorm or RMSNorm, zero-centered gamma as TE)")
