@@ -23,7 +23,9 @@ REPRODUCES = "TransformerEngine's TENorm (te.pytorch.RMSNorm/LayerNorm, zero_cen
 PATTERN = (Match(("AssertionError",), message=r"zero_centered_gamma not supported by torch"),
            Match(("AssertionError",), message=r"is not supported in FusedLayerNorm"),
            Match(("NameError",), message=r"name 'TENorm' is not defined"),
-           Match(("NameError",), message=r"name 'te_general_gemm' is not defined"))
+           Match(("NameError",), message=r"name 'te_general_gemm' is not defined"),
+           # 2024's TENorm (with the transformer-engine stub) building TE's RMSNorm for the final norm
+           Match(("TransformerEngineStubUsed",), code=r"te\.pytorch\.RMSNorm\("))
 
 _TE_NORM_MODULES = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.gpt.moe_module_specs",
                     "megatron.core.models.backends", "megatron.core.transformer.attention",
@@ -95,7 +97,12 @@ def router_gemm_helper(module) -> None:
         module.te_general_gemm = None
 
 
+def te_layers_norm(module) -> None:
+    module.TENorm = TENormInTorch
+
+
 def install() -> None:
+    after_import("megatron.core.transformer.custom_layers.transformer_engine", te_layers_norm)
     after_import("megatron.core.transformer.moe.moe_utils", router_gemm_helper)
     after_import("megatron.core.transformer.torch_norm", torch_norms)
     after_import("megatron.core.transformer.torch_layer_norm", torch_norms)
