@@ -44,7 +44,7 @@ def _fake_upstream(root: Path, files: dict) -> Path:
 
 
 def test_every_shim_is_a_module_with_its_description_and_pattern():
-    assert len(registry.REGISTRY) == 11
+    assert len(registry.REGISTRY) == 14
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -84,6 +84,14 @@ def _missing(module: str) -> str:
     ("from megaport.train.shims.te_import_stub import TransformerEngineStubUsed\n"
      "raise TransformerEngineStubUsed('TransformerEngine is not installed when instantiating TEDotProductAttention')",
      "te-spec"),
+    ("raise AssertionError('zero_centered_gamma not supported by torch LayerNorm')", "te-norm"),
+    ("raise AssertionError('(RMSNorm) is not supported in FusedLayerNorm')", "te-norm"),
+    ("TENorm", "te-norm"),
+    ("te_general_gemm", "te-norm"),
+    ("raise AssertionError('Grouped GEMM is not available. Please run `pip install grouped_gemm`.')", "grouped-gemm"),
+    ("def f(**kw):\n    pass\nf(1, k_channels=3)", None),  # a TypeError of another shape
+    ("class DotProductAttention:\n    def __init__(self):\n        pass\nDotProductAttention(k_channels=3)",
+     "mla-attention"),
     ("import os\nos.path.join(None, 'bin', 'nvcc')", None),  # outside upstream's kernel build
     ("raise AssertionError('loss is nan')", None),
     ("import torch\ntorch.ones(4, 4).t().view(16)", None),  # a view failure in no shim's frame
@@ -185,6 +193,8 @@ from apex.multi_tensor_apply import multi_tensor_applier
 from apex.normalization import MixedFusedRMSNorm
 from apex.normalization.fused_layer_norm import FusedLayerNorm, FusedLayerNormAffineFunction
 from apex.contrib.layer_norm.layer_norm import FastLayerNormFN
+import grouped_gemm
+assert grouped_gemm.ops.gmm(torch.ones(3, 2), torch.ones(2, 2, 4), [1, 2]).shape == (3, 4)
 print("ok")
 """
 

@@ -21,8 +21,11 @@ What is substituted (:data:`SUBSTITUTIONS`, printed once at start as ``> megapor
   CPU tensors, and ``Tensor.type()`` names them ``torch.cuda.*`` for upstream's type checks;
 - RNG: the CUDA generator *is* the CPU generator (seeding, get/set state, the RNG tracker's
   fork), so dropout under the tracker draws as it would on one device;
-- streams and events: the CPU stream; events time with the host clock; ``synchronize`` and
-  ``empty_cache`` do nothing; memory counters answer 0 (the runner reads the process's peak RSS).
+- streams and events: the CPU stream; events time with the host clock (a stream's
+  ``record_event`` gives one); ``synchronize`` and ``empty_cache`` do nothing; memory counters
+  answer 0 (the runner reads the process's peak RSS);
+- ``torch.histc`` of integers (CUDA has it, the CPU not; 2024's MoE router counts tokens per
+  expert with it): counted on a float copy, the counts in the input's dtype (exact below 2^24).
 
 Nothing in ``megatron/`` is replaced: every computation, including everything a series changes,
 is the tree's own.
@@ -42,6 +45,7 @@ SUBSTITUTIONS = (
     "(in autograd functions' backward too)",
     "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
     "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
+    "torch.histc of integers (CUDA-only): counted on a float copy, counts in the input's dtype",
 )
 MARK = "> megaport cpu:"
 LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
@@ -103,6 +107,8 @@ def placement_mode(torch):
                 kwargs["device"] = "cpu"
             if func is torch.Tensor.to and len(args) > 1 and _on_gpu(torch, args[1]):
                 args = (args[0], "cpu") + tuple(args[2:])
+            if func in (torch.histc, torch.Tensor.histc) and args and not args[0].is_floating_point():
+                return func(args[0].double(), *args[1:], **kwargs).to(args[0].dtype)
             return func(*args, **kwargs)
 
     return ToCpu()
@@ -216,10 +222,30 @@ def _rng(torch) -> None:
 
 def _streams(torch) -> None:
     cuda = torch.cuda
-    cuda.Stream = torch.cpu.Stream
+
+    class HostStream(torch.cpu.Stream):
+        """torch.cpu.Stream, whose ``record_event`` gives an event (torch's gives None): MoE's
+        all-to-all dispatcher (2025-12 on) synchronizes on the event its copy stream records."""
+
+        def record_event(self, event=None):
+            event = HostEvent() if event is None else event
+            event.record(self)
+            return event
+
+        def synchronize(self):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    cuda.Stream = HostStream
     cuda.stream = torch.cpu.stream
-    cuda.current_stream = lambda device=None: torch.cpu.current_stream()
-    cuda.default_stream = lambda device=None: torch.cpu.current_stream()
+    host_stream = HostStream()  # the one stream there is (torch.cpu.current_stream() has no synchronize)
+    cuda.current_stream = lambda device=None: host_stream
+    cuda.default_stream = lambda device=None: host_stream
     cuda.set_stream = lambda stream: None
     cuda.Event = HostEvent
     nvtx = cuda.nvtx
