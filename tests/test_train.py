@@ -355,6 +355,7 @@ print(np.float is float, inf == float("inf"), "stub" in stub, torch.allclose(p, 
 from apex.normalization.fused_layer_norm import FusedLayerNorm
 from apex.contrib.layer_norm.layer_norm import FastLayerNormFN
 import fused_dense_cuda
+torch.manual_seed(0)
 x, w, b = torch.randn(4, 8), torch.rand(8) + 0.5, torch.randn(8)
 want = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
 norm = FusedLayerNorm(8, eps=1e-5)
@@ -362,7 +363,7 @@ with torch.no_grad():
     norm.weight.copy_(w), norm.bias.copy_(b)
 main_grad = torch.zeros(3, 8)
 fused_dense_cuda.wgrad_gemm_accum_fp32(x, torch.ones(4, 3), main_grad)
-print(torch.allclose(norm(x), want, atol=1e-6), torch.allclose(FastLayerNormFN.apply(x, w, b, 1e-5), want),
+print(torch.allclose(norm(x), want, atol=1e-6), torch.allclose(FastLayerNormFN.apply(x, w, b, 1e-5), want, atol=1e-6),
       torch.allclose(main_grad, torch.ones(4, 3).t() @ x, atol=1e-6))
 """
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
