@@ -299,3 +299,16 @@ def test_attention_dropout_on_the_cpu_keeps_the_softmax_path(rp, routed, capsys)
     core.eval()
     core(q, k, v, None)
     assert routed.calls == 1, "evaluation (no dropout) should run SDPA"
+
+
+def test_te_attention_asked_for_runs_sdpa_even_with_the_softmax_fusion_off(rp, routed, monkeypatch, capsys):
+    """Upstream's Mixtral script passes --no-masked-softmax-fusion beside TE's layers: what it asks
+    for is TE's fused attention, which the port serves through SDPA where it built the local spec."""
+    monkeypatch.setattr(rp, "_TE_ATTENTION_SERVED", True)
+    core = routed(_Softmax(fusion=False))
+    q, k, v = inputs("gqa", torch.bfloat16)
+    core(q, k, v, None)
+    assert routed.calls == 0, "the local spec served for TE's ran upstream's unfused attention"
+    monkeypatch.setattr(rp, "_TE_ATTENTION_SERVED", False)
+    core(q, k, v, None)
+    assert routed.calls == 1 and "--no-masked-softmax-fusion" in capsys.readouterr().out

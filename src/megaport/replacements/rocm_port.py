@@ -908,6 +908,8 @@ def local_spec_without_transformer_engine(te_spec, local_spec):
         if te_only:
             raise ValueError(f"{', '.join(te_only)} need(s) TransformerEngine, which is not installed "
                              "(ROCm has none): turn them off or use --transformer-impl local")
+        global _TE_ATTENTION_SERVED
+        _TE_ATTENTION_SERVED = True
         say_once("TransformerEngine is not installed: --transformer-impl transformer_engine builds "
                  "Megatron's local PyTorch layers instead (the same model)")
         return local_spec(**{k: v for k, v in given.items() if k in accepted})
@@ -1332,6 +1334,9 @@ class ScaledSoftmax(torch.autograd.Function):
 # kernel-exact softmax path above, said once. MEGATRON_ROCM_PORT_SDPA=0 or --attention-backend
 # local|unfused keep that path everywhere.
 SDPA_ENV = "MEGATRON_ROCM_PORT_SDPA"
+# Set once TransformerEngine's layer specs were asked for and the local ones built in their place:
+# the attention asked for is then TE's fused one, whatever --masked-softmax-fusion says.
+_TE_ATTENTION_SERVED = False
 _KERNEL_EXACT_BACKENDS = ("local", "unfused")
 
 
@@ -1407,7 +1412,11 @@ def _kernel_exact_reason(core, config, extras: dict) -> str | None:
     backend = getattr(getattr(config, "attention_backend", None), "name", None)
     if backend in _KERNEL_EXACT_BACKENDS:
         return f"--attention-backend {backend}"
-    if softmax is None or not getattr(softmax, "scaled_masked_softmax_fusion", False):
+    if softmax is None:
+        return "a core attention without a softmax module"
+    if not getattr(softmax, "scaled_masked_softmax_fusion", False) and not _TE_ATTENTION_SERVED:
+        # where the flags asked for TransformerEngine's layers, its fused attention is what they
+        # asked for (upstream's Mixtral script turns the softmax fusion off beside them)
         return "--no-masked-softmax-fusion (upstream's unfused attention, as asked)"
     if getattr(softmax, "window_size", None) is not None:
         return "a sliding attention window"
