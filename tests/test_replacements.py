@@ -1118,7 +1118,7 @@ def test_a_module_takes_every_after_import_step_of_both_tables_in_order(rp, tmp_
     (package / "layer.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     ran = []
-    monkeypatch.setitem(rp._AFTER_IMPORT_ALWAYS, "after_import_pkg.layer", lambda m: ran.append(("always", m.VALUE)))
+    monkeypatch.setitem(rp._AFTER_IMPORT_DEEPSPEED, "after_import_pkg.layer", lambda m: ran.append(("always", m.VALUE)))
     monkeypatch.setitem(rp._AFTER_IMPORT_WITHOUT_TE, "after_import_pkg.layer",
                         (lambda m: ran.append(("no TE 1", m.VALUE)), lambda m: ran.append(("no TE 2", m.VALUE))))
     monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
@@ -1127,5 +1127,5 @@ def test_a_module_takes_every_after_import_step_of_both_tables_in_order(rp, tmp_
     importlib.import_module("after_import_pkg.layer")
     assert ran == [("always", 1), ("no TE 1", 1), ("no TE 2", 1)]
     monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: True)
-    assert rp.after_import_steps("after_import_pkg.layer") == (rp._AFTER_IMPORT_ALWAYS["after_import_pkg.layer"],)
+    assert rp.after_import_steps("after_import_pkg.layer") == (rp._AFTER_IMPORT_DEEPSPEED["after_import_pkg.layer"],)
     sys.modules.pop("after_import_pkg.layer", None)

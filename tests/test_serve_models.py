@@ -15,6 +15,12 @@ torch = pytest.importorskip("torch")
 from test_replacements import _load  # noqa: E402
 
 
+def _after_import(rp, module) -> None:
+    """What the port's after-import finder runs once ``module`` has loaded (TE absent)."""
+    for step in rp.after_import_steps(module.__name__):
+        step(module)
+
+
 @pytest.fixture()
 def rp():
     module = _load(None)
@@ -149,7 +155,7 @@ def test_te_norm_names_resolve_to_the_port_norm(rp, capsys):
     kept = types.ModuleType("megatron.core.transformer.attention")
     kept.TENorm = object
     for module in (guarded, undefined, kept):
-        rp._serve_te_names(module)
+        _after_import(rp, module)
     assert guarded.TENorm is rp.Norm and undefined.TENorm is rp.Norm and kept.TENorm is object
     assert capsys.readouterr().out.count("> ROCm port: TransformerEngine is not installed: TENorm") == 1
 
@@ -251,7 +257,7 @@ def _fake_backends():
 
 def test_te_backend_without_te_is_local_with_the_port_norm_then_linear(rp, capsys):
     module = _fake_backends()
-    rp._serve_te_names(module)
+    _after_import(rp, module)
     assert module.get_backend("local") == "upstream local"
     backend = module.get_backend("transformer_engine")
     assert isinstance(backend, module.LocalSpecProvider)
@@ -273,7 +279,7 @@ def test_mla_duplicated_down_projection_is_column_parallel_at_tp1_only(rp):
     module = types.ModuleType("megatron.core.transformer.multi_latent_attention")
     built = []
     module.build_module = lambda spec, *args, **kwargs: built.append((spec, args, kwargs))
-    rp._serve_te_names(module)
+    _after_import(rp, module)
     tp1 = types.SimpleNamespace(tensor_model_parallel_size=1)
     module.build_module(_FakeColumnParallelLinear, 8, 4, parallel_mode="duplicated", config=tp1)
     assert built[-1][2] == {"config": tp1, "gather_output": False}
@@ -293,13 +299,13 @@ def test_mla_duplicated_down_projection_is_column_parallel_at_tp1_only(rp):
 def test_mla_module_with_mocked_te_gets_have_te_false(rp):
     module = types.ModuleType("megatron.core.transformer.multi_latent_attention")
     module.HAVE_TE = True
-    rp._serve_te_names(module)
+    _after_import(rp, module)
     assert module.HAVE_TE is False
 
 
 def test_router_gemm_helper_left_undefined_is_none(rp):
     module = types.ModuleType("megatron.core.transformer.moe.moe_utils")
-    rp._serve_te_names(module)
+    _after_import(rp, module)
     assert module.te_general_gemm is None and not hasattr(module, "TENorm")
 
 

@@ -77,6 +77,7 @@ __all__ = [
     "default_distributed_backend",
     "resolve_distributed_backend",
     "collective_library",
+    "install",
     "install_import_blocker",
     "install_target_stack_compat",
     "uninstall_import_blocker",
@@ -133,8 +134,6 @@ def blocked_modules_loaded() -> list:
         if module is not None and _is_blocked(name.partition(".")[0])
     )
 
-
-install_import_blocker()
 
 
 # ---------------------------------------------------------------------------------
@@ -208,8 +207,6 @@ def install_target_stack_compat() -> list:
     return restored
 
 
-install_target_stack_compat()
-
 # microsoft/Megatron-DeepSpeed (2022-08 on) imports deepspeed.compression.compress in
 # megatron/training.py unconditionally, for --compression-training only; DeepSpeed 0.18 removed its
 # compression library (deepspeed.compression is a stub package now). Where it is missing, the
@@ -241,8 +238,6 @@ def serve_removed_deepspeed_compression() -> None:
     if not any(isinstance(f, _RemovedDeepSpeedCompression) for f in sys.meta_path):
         sys.meta_path.append(_RemovedDeepSpeedCompression())
 
-
-serve_removed_deepspeed_compression()
 
 
 _SAID = set()
@@ -375,6 +370,13 @@ def _both_resize_names(module) -> None:
         for name in ("resize", "resize_"):
             if not hasattr(module, name):
                 setattr(module, name, function)
+
+
+# What old upstream code needs of today's torch and NumPy right after a module loads.
+_AFTER_IMPORT_TARGET_STACK = {
+    "megatron.model.vision.utils": _both_resize_names,
+    "megatron.model.vision.inpainting": _both_resize_names,
+}
 
 
 def _port_multi_tensor_helpers(module) -> None:
@@ -550,27 +552,18 @@ def _te_norm_is_the_port_norm(module) -> None:
 _TE_NONE_NAMES = {"megatron.core.transformer.moe.moe_utils": ("te_general_gemm",)}
 
 
-def _serve_te_names(module) -> None:
-    """The after-import step of a module that names TE's norm (and, for the GPT specs, the TE
-    layer specs too), or TE helpers it tests against None."""
+def _te_helpers_none(module) -> None:
+    """TE helpers upstream tests against None, where the module leaves them undefined without TE."""
     for name in _TE_NONE_NAMES.get(module.__name__, ()):
         if not hasattr(module, name):
             setattr(module, name, None)
-    if module.__name__ in _TE_NONE_NAMES:
-        return
-    _te_norm_is_the_port_norm(module)
-    if module.__name__ == _GPT_SPECS_MODULE:
-        _serve_te_layer_specs(module)
-    if module.__name__ == "megatron.core.models.backends":
-        _say_grouped_gemm_runs_sequential(module)
-        _te_backend_is_local(module)
-    if module.__name__ == "megatron.core.transformer.multi_latent_attention":
-        # core 0.14-0.16 set HAVE_TE when its TE extension module imports, which it does without TE
-        # (its TE names are mocks): isinstance(linear_proj, TELinear) then raises. There is no TE.
-        if getattr(module, "HAVE_TE", False):
-            module.HAVE_TE = False
-        _mla_query_norm_as_te_spec(module)
-        _mla_duplicated_down_projections(module)
+
+
+def _mla_has_no_te(module) -> None:
+    """Core 0.14-0.16 set MLA's HAVE_TE when its TE extension module imports, which it does without
+    TE (its TE names are mocks): isinstance(linear_proj, TELinear) then raises. There is no TE."""
+    if getattr(module, "HAVE_TE", False):
+        module.HAVE_TE = False
 
 
 def _say_grouped_gemm_runs_sequential(module) -> None:
@@ -804,7 +797,14 @@ _AFTER_IMPORT_WITHOUT_TE = {
     "megatron.core.transformer.moe.grouped_gemm_util": _serve_grouped_gemm,
     "megatron.training.arguments": _fp8_off_before_validation,
     "megatron.arguments": _fp8_off_before_validation,
-    **{name: _serve_te_names for name in _TE_NORM_USERS + tuple(_TE_NONE_NAMES)},
+    **{name: _te_norm_is_the_port_norm for name in _TE_NORM_USERS},
+    **{name: _te_helpers_none for name in _TE_NONE_NAMES},
+    # the TE-norm users that need more, each entry replacing its line above
+    _GPT_SPECS_MODULE: (_te_norm_is_the_port_norm, _serve_te_layer_specs),
+    "megatron.core.models.backends": (_te_norm_is_the_port_norm, _say_grouped_gemm_runs_sequential,
+                                       _te_backend_is_local),
+    "megatron.core.transformer.multi_latent_attention": (_te_norm_is_the_port_norm, _mla_has_no_te,
+                                                         _mla_query_norm_as_te_spec, _mla_duplicated_down_projections),
 }
 
 
@@ -828,55 +828,13 @@ def legacy_tensor_types(module) -> None:
             setattr(cls, name, property(lambda self, _name=name: getattr(torch.cuda, _name)))
 
 
-# What old upstream code (and DeepSpeed, for Megatron-DeepSpeed) needs right after a module loads,
-# whatever is installed.
-_AFTER_IMPORT_ALWAYS = {
-    "megatron.model.vision.utils": _both_resize_names,
-    "megatron.model.vision.inpainting": _both_resize_names,
+# What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.
+_AFTER_IMPORT_DEEPSPEED = {
     "deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam,
     "deepspeed.accelerator.cuda_accelerator": legacy_tensor_types,
 }
 
 
-def _steps(entry) -> tuple:
-    """A table entry as a tuple of steps: one function, or several in the order they run."""
-    return () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def after_import_steps(fullname: str) -> tuple:
-    """Every step the port runs once ``fullname`` has loaded: :data:`_AFTER_IMPORT_ALWAYS`'s, then,
-    without TransformerEngine, :data:`_AFTER_IMPORT_WITHOUT_TE`'s (one module may have both)."""
-    steps = _steps(_AFTER_IMPORT_ALWAYS.get(fullname))
-    if fullname in _AFTER_IMPORT_WITHOUT_TE and not _transformer_engine_installed():
-        steps += _steps(_AFTER_IMPORT_WITHOUT_TE[fullname])
-    return steps
-
-
-class _ServeAfterImport(importlib.abc.MetaPathFinder):
-    """Runs the after-import steps of a module (:func:`after_import_steps`) once upstream's own code
-    has loaded it: one mechanism for every era, whatever shape the file has."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        steps = after_import_steps(fullname)
-        if not steps:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            for step in steps:
-                step(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if not TRANSFORMER_ENGINE_IMPORTS_GUARDED:
-    sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
-sys.meta_path.insert(1, _ServeAfterImport())
 
 
 def switch_off_rope_fusion(config) -> bool:
@@ -1563,14 +1521,13 @@ def _sdpa_in_legacy_core_attention(module) -> None:
         module.flash_attn_unpadded_func = flash_attn_unpadded_func
 
 
-# The after-import steps that route core attention through SDPA (defined here, beside the code
-# they serve; the table above is read when each module loads, after this module has run).
-_AFTER_IMPORT_ALWAYS.update({
+# Where the port routes core attention through SDPA, whatever is installed.
+_AFTER_IMPORT_ATTENTION = {
     "megatron.core.transformer.dot_product_attention": _sdpa_in_dot_product_attention,
     "megatron.core.transformer.core_attention": _sdpa_in_legacy_core_attention,  # its name 2023-06-29 … 07-24
     "megatron.legacy.model.transformer": _sdpa_in_legacy_core_attention,
     "megatron.model.transformer": _sdpa_in_legacy_core_attention,
-})
+}
 
 
 def warp_size() -> int:
@@ -1906,3 +1863,71 @@ def resolve_distributed_backend(name: str, rank: int = 0) -> str:
             flush=True,
         )
     return torch_backend
+
+
+# ---------------------------------------------------------------------------------
+# What importing the port changes in the process
+# ---------------------------------------------------------------------------------
+
+def _steps(entry) -> tuple:
+    """A table entry as a tuple of steps: one function, or several in the order they run."""
+    return () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+#: The after-import tables, grouped by what they serve; the first three whatever is installed.
+AFTER_IMPORT_TABLES = (
+    ("today's torch and NumPy", _AFTER_IMPORT_TARGET_STACK),
+    ("DeepSpeed", _AFTER_IMPORT_DEEPSPEED),
+    ("core attention through SDPA", _AFTER_IMPORT_ATTENTION),
+    ("TransformerEngine absent", _AFTER_IMPORT_WITHOUT_TE),
+)
+
+
+def after_import_steps(fullname: str) -> tuple:
+    """Every step the port runs once ``fullname`` has loaded, table by table (:data:`AFTER_IMPORT_TABLES`;
+    the TransformerEngine-absent one only without TransformerEngine): one module may take several."""
+    steps = ()
+    for _, table in AFTER_IMPORT_TABLES:
+        if fullname in table and (table is not _AFTER_IMPORT_WITHOUT_TE or not _transformer_engine_installed()):
+            steps += _steps(table[fullname])
+    return steps
+
+
+class _ServeAfterImport(importlib.abc.MetaPathFinder):
+    """Runs the after-import steps of a module (:func:`after_import_steps`) once upstream's own code
+    has loaded it: one mechanism for every era, whatever shape the file has."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        steps = after_import_steps(fullname)
+        if not steps:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            for step in steps:
+                step(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Everything the port changes in the process, once, when upstream imports it (first thing):
+    the apex/extension blocker, today's stack's restored names, DeepSpeed's removed compression
+    module, the TransformerEngine layers stand-in (eras that import it unguarded), and the
+    after-import steps. Each is idempotent: importing this module again changes nothing more."""
+    install_import_blocker()
+    install_target_stack_compat()
+    serve_removed_deepspeed_compression()
+    if not TRANSFORMER_ENGINE_IMPORTS_GUARDED and not any(
+            isinstance(f, _TransformerEngineLayersStandIn) for f in sys.meta_path):
+        sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
+    if not any(isinstance(f, _ServeAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(1, _ServeAfterImport())
+
+
+install()
