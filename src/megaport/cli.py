@@ -288,15 +288,21 @@ def lint(patches, fmt):
                    "dependency that is not installed, or a GPU-only check on a CPU).")
 @click.option("--patches", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar="MEGAPORT_PATCHES",
               help="Catalogue that holds the tree's series [env: MEGAPORT_PATCHES].")
+@click.option("--model", "models", metavar="NAMES",
+              help="Model families to train, comma-separated (gpt, bert, t5, llama, llama3, mixtral, deepseek); "
+                   "default: every family the tree has.")
 @handle_errors
-def verify(tree, device, json_file, junit_file, keyword, strict, patches):
+def verify(tree, device, json_file, junit_file, keyword, strict, patches, models):
     """Run the smoke suite against a ported TREE's own code (default: current directory).
 
     \b
     Imports of every touched module (no apex, amp_C or *_cuda), the fused softmax and
     the apex substitutes against fp64/PyTorch references with the era's semantics,
     two ranks with the tree's backend (RCCL on ROCm, gloo on CPU) and TP=2 layers,
-    and a few steps of a tiny GPT. Runs under pytest in a fresh process.
+    and a few steps of every model family the tree has (GPT, BERT, T5, Llama,
+    Mixtral, DeepSeek: each through upstream's own entry point with its example's
+    flags, with loss parity against unported upstream; --model picks some).
+    Runs under pytest in a fresh process.
 
     A failure caused by the port, or by old upstream code that today's torch,
     NumPy or Python broke (torch._six, np.float, an unguarded TransformerEngine
@@ -310,7 +316,7 @@ def verify(tree, device, json_file, junit_file, keyword, strict, patches):
     from megaport.commands.verify import verify as run_verify
 
     options = VerifyOptions(tree=tree, device=device, json_file=json_file, junit_file=junit_file, keyword=keyword,
-                            strict=strict, patches=str(patches) if patches else None)
+                            strict=strict, patches=str(patches) if patches else None, models=models)
     return run_verify(options, _console(json_file))
 
 
