@@ -366,9 +366,12 @@ def doctor(json_file):
               help="--train: the tree's own pretrain_gpt.py under torchrun (on CPU with megaport's substitutions "
                    "for CUDA-only plumbing), or megaport's harness on upstream's builders (trees from PyPI's "
                    "megatron-core); auto takes pretrain_gpt.py where the tree has it.")
+@click.option("--model", default="gpt", show_default=True, metavar="NAME",
+              help="--train: the model family (gpt, bert, t5, llama, llama3, mixtral, deepseek), through its own "
+                   "entry point with its example's flags.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, train, layers, hidden, heads,
-          seq, batch, steps, warmup, rounds, entry):
+          seq, batch, steps, warmup, rounds, entry, model):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -392,7 +395,7 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, t
 
         sizes = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, steps=steps, warmup=warmup)
         return bench_train(TrainBenchOptions(tree=tree, device=device, sizes=sizes, rounds=rounds,
-                                             json_file=json_file, entry=entry), _console(json_file))
+                                             json_file=json_file, entry=entry, model=model), _console(json_file))
     from megaport.commands.bench import BenchOptions
     from megaport.commands.bench import bench as run_bench
 
