@@ -219,3 +219,44 @@ def test_wordpiece_documents_are_sentences_with_document_boundaries(tmp_path):
     assert sequences == sum(len(d) for d in docs) and boundaries == len(docs) + 1
     offset = 34 + 4 * sequences + 8 * sequences
     assert list(struct.unpack_from(f"<{boundaries}q", raw, offset))[-1] == sequences
+
+
+LLAMA3 = """#!/bin/bash
+DTYPE="fp8"
+MODEL_ARGS=(
+    --num-layers $NUM_LAYERS
+    --hidden-size 4096
+    --apply-layernorm-1p
+)
+TRAINING_ARGS=(
+    --train-samples 1953125000
+    --profile
+    --bf16
+)
+DTYPE_ARGS=()
+if [[ "$DTYPE" == "fp8" ]]; then
+    DTYPE_ARGS+=(
+        "--fp8-format hybrid"
+        "--fp8-param-gather"
+    )
+fi
+torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]}
+"""
+
+
+def test_llama3_keeps_its_script_but_the_sample_schedule_and_profiling(tmp_path):
+    tree = make_tree(tmp_path / "tree", parser=PARSER + "add('--apply-layernorm-1p'); add('--fp8-format'); "
+                     "add('--fp8-param-gather'); add('--hidden-size'); add('--bf16'); add('--train-iters')",
+                     scripts={"examples/llama/train_llama3_8b_h100_fp8.sh": LLAMA3})
+    family = registry.get("llama3")
+    tokens, source = family.flags(tree)
+    assert tokens[tokens.index("--fp8-format") + 1] == "hybrid"  # a quoted "--flag value" is both
+    notes: list = []
+    from megaport.train.pretrain import _family_flags
+
+    kept = _family_flags(family, tokens, tree, notes)
+    assert "--apply-layernorm-1p" in kept and "--fp8-param-gather" in kept and "--bf16" in kept
+    assert "--train-samples" not in kept and "--profile" not in kept
+    assert example.flag_value(kept, "--train-iters") == "1"  # added, then shrunk to the run's
+    assert any(n.startswith("--train-samples left out (a sample-based schedule") for n in notes)
+    assert any(n.startswith("--num-layers") and "added" in n for n in notes)

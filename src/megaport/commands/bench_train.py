@@ -51,6 +51,8 @@ def bench_train(options: TrainBenchOptions, console) -> int:
     tree, state = ported_tree(options.tree)
     from megaport.train.families import registry
 
+    if "," in options.model:
+        raise MegaportError(f"--model {options.model}: bench --train times one family at a time", exit_code=2)
     family = registry.select(str(tree), options.model)[0] if options.model != "gpt" else registry.get("gpt")
     info = devices.probe_subprocess(python)
     require_torch(info, python)

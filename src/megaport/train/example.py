@@ -86,7 +86,8 @@ def script_flags(text: str, *, quoted_strings: bool = False) -> list:
     without comments, or flags whose values are shell variables (paths). A flag's values end at the
     next flag or the end of its (continued) line; a quoted value stays one value. With
     ``quoted_strings``, the last line of a multi-line ``ARGS="...`` string whose closing quote follows
-    a continuation (T5's 2024 script) is read too; GPT's reading predates it and stays as it was."""
+    a continuation (T5's 2024 script) is read too, and a quoted ``"--flag value"`` word is a flag and
+    its value (Llama 3's array entries); GPT's reading predates both and stays as it was."""
     out = []
     for line in text.replace("\\\n", " ").splitlines():
         line = re.sub(r"^\s*\w+=\(|^\s*\)", " ", line)  # ARGS=( ... ) array brackets
@@ -96,6 +97,8 @@ def script_flags(text: str, *, quoted_strings: bool = False) -> list:
         if len(words) == 1 and "--" in words[0] and re.match(r"^\s*\w+=\"", line):
             words = _words(words[0].split("=", 1)[1])  # ARGS="--a 1 --b 2"
         tokens = [t for t in (w.strip("()") for w in words) if t]
+        if quoted_strings:  # ARGS+=("--fp8-format hybrid" ...): a quoted flag and its value, one word each
+            tokens = [part for t in tokens for part in (t.split() if t.startswith("--") else [t])]
         i = 0
         while i < len(tokens):
             flag = tokens[i]

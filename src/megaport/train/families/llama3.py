@@ -2,9 +2,10 @@
 ``pretrain_gpt.py``.
 
 The script's flags as they are (``--apply-layernorm-1p``, ``--attention-backend fused``,
-``--cross-entropy-loss-fusion``), but its sample-based schedule, which the run's iterations
-replace, and its profiling. Its FP8 and data flags sit in shell conditionals as quoted strings,
-which the script reader leaves out (the run's data replaces them; FP8 needs TransformerEngine).
+``--cross-entropy-loss-fusion``, and the FP8 flags of its default ``DTYPE="fp8"``), but its
+sample-based schedule, which the run's iterations replace, its profiling and its cluster-job
+settings. The reader takes both branches of its data conditional; the run's data flags, last,
+win (argparse keeps the last value), and flags whose values are shell variables are left out.
 """
 
 import os
