@@ -132,6 +132,8 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
+    for name, (value, why) in family.environment.items():
+        notes.append(f"{name}={value} in the environment ({why})")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
                 "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
@@ -204,7 +206,10 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
         failures, audits = os.path.join(workdir, "failures"), os.path.join(workdir, "audits")
         os.makedirs(failures)
         os.makedirs(audits)
-        run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits}
+        from megaport.train.families import registry
+
+        run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
+                   **{k: v for k, (v, _) in registry.get(run.family).environment.items()}}
         proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
         died_of, port_code = failure.read(failures), audit.read(audits)
@@ -271,9 +276,9 @@ def main(argv=None) -> int:
         workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
         os.makedirs(workdir, exist_ok=True)
         cmd = command(run, workdir, port=29500)
-        env = environment(run.tree, {})
-        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed.ACCELERATOR_ENV)
-                         if k in env}))
+        env = {**environment(run.tree, {}), **{k: v for k, (v, _) in family.environment.items()}}
+        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed.ACCELERATOR_ENV,
+                                             *family.environment) if k in env}))
         return 0
     print(json.dumps(run_pretrain(run)))
     return 0

@@ -49,6 +49,8 @@ class Family:
     dropped: dict = field(default_factory=dict)
     #: flags added after the script's, each group with why: ((flags...), why), ...
     added: tuple = ()
+    #: environment variables both sides run with, each with why: {name: (value, why)}
+    environment: dict = field(default_factory=dict)
     #: baseline shims the unported side starts with (beyond those a failure asks for)
     baseline_shims: tuple = ()
     #: whether flags the era's parser lacks are left out (and said in the notes) and multi-line
