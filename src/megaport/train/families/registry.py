@@ -36,6 +36,6 @@ def select(tree: str, requested: str | None) -> list:
     chosen = [get(n) for n in dict.fromkeys(names)]
     missing = [f.name for f in chosen if not f.present(tree)]
     if missing:
-        raise MegaportError(f"{tree} has no {', '.join(missing)} (its tree has: "
+        raise MegaportError(f"{tree} has no {', '.join(missing)} (it has: "
                             f"{', '.join(f.name for f in families_for(tree)) or 'none'})", exit_code=2)
     return chosen
