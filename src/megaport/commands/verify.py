@@ -216,7 +216,7 @@ def family_row(facts: dict) -> str:
     """One family's training in a line: entry point, flags' source, iterations, loss parity, shims."""
     training = facts.get("training") or {}
     notes = training.get("notes") or []
-    source = notes[0].removeprefix("flags of ").split(", changed in")[0] if notes else "?"
+    source = facts.get("flags_from") or (notes[0].removeprefix("flags of ").split(", changed in")[0] if notes else "?")
     text = f"{facts.get('entry_point', '?')}, flags of {source}"
     if "error" in facts:
         return f"{text}: did not train: {facts['error']}"

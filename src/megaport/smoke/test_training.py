@@ -74,7 +74,9 @@ def _facts(smoke, family: str) -> dict:
 @pytest.fixture(scope="module")
 def ported_run(smoke, family):
     facts = _facts(smoke, family)
-    facts["entry_point"] = registry.get(family).entry_point
+    spec = registry.get(family)
+    facts["entry_point"] = spec.entry_point
+    facts["flags_from"] = spec.flags(str(smoke.tree))[1]  # said even where the run fails
     try:
         entry = _entry_point(smoke, family)
         facts["entry_point"] = entry

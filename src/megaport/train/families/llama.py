@@ -36,8 +36,8 @@ FAMILY = Family(
     entry_point="pretrain_gpt.py",
     summary="Llama-2 style decoder (RMSNorm, SwiGLU, RoPE, GQA, no bias, untied embeddings)",
     fallback=tuple(SIZES + ARCHITECTURE + TRAINING),
-    fallback_source="Llama-2 architecture flags of upstream's docs/llama_mistral.md, the gpt3 example's training "
-                    "flags (megaport.train.families.llama)",
+    fallback_source="upstream's docs/llama_mistral.md (Llama-2 architecture) and the gpt3 example (training), as "
+                    "megaport.train.families.llama writes them",
     present=entry_point_and("--normalization", "--swiglu", "--group-query-attention", "--disable-bias-linear",
                             "--untie-embeddings-and-output-weights", "--no-position-embedding"),
     size_flags=_sizes,
