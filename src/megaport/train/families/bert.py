@@ -25,7 +25,8 @@ FAMILY = Family(
     sizes=example.Sizes(),
     data="wordpiece",
     # megatron.core's BertModel (core 0.6 on) asserts one of these is 0 and says to set it
-    environment={"NVTE_FLASH_ATTN": ("0", "megatron.core's BertModel refuses to start without it: 'Bert currently "
+    environment={"NVTE_FLASH_ATTN": ("0", "megatron.core's BertModel (core 0.6 on; older BERTs ignore it) refuses to start "
+                                          "without it: 'Bert currently "
                                           "does not support flash attention. Please set env variable "
                                           "NVTE_FLASH_ATTN=0'")},
 )
