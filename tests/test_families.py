@@ -260,3 +260,20 @@ def test_llama3_keeps_its_script_but_the_sample_schedule_and_profiling(tmp_path)
     assert example.flag_value(kept, "--train-iters") == "1"  # added, then shrunk to the run's
     assert any(n.startswith("--train-samples left out (a sample-based schedule") for n in notes)
     assert any(n.startswith("--num-layers") and "added" in n for n in notes)
+
+
+def test_t5_gives_the_decoder_depth_where_the_parser_takes_it_apart(tmp_path):
+    from megaport.train.pretrain import _family_flags
+
+    t5 = registry.get("t5")
+    tokens = ["--num-layers", "12", "--hidden-size", "768"]
+    apart = make_tree(tmp_path / "apart", entry_points=("pretrain_t5.py",),
+                      parser="add('--num-layers'); add('--hidden-size'); add('--decoder-num-layers')")
+    notes: list = []
+    flags = example.shrunk(_family_flags(t5, tokens, apart, notes), example.Sizes(layers=2), data=[], tree=apart,
+                           more_sizes=t5.size_flags(example.Sizes(layers=2)))
+    assert example.flag_value(flags, "--decoder-num-layers") == "2" and "added" in notes[0]
+    together = make_tree(tmp_path / "together", entry_points=("pretrain_t5.py",),
+                         parser="add('--num-layers'); add('--hidden-size')")
+    notes = []
+    assert "--decoder-num-layers" not in _family_flags(t5, tokens, together, notes) and notes == []

@@ -145,7 +145,8 @@ def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
     notes) and, for families other than GPT, less those the era's parser lacks."""
     for added, why in family.added:
         present = {t for t in tokens if t.startswith("--")}
-        missing = [g for g in example.group_flags(list(added)) if g[0] not in present]
+        missing = [g for g in example.group_flags(list(added)) if g[0] not in present
+                   and (not family.drop_unknown_flags or example.parser_has(tree, g[0]))]
         if missing:
             tokens = tokens + [t for flag, values in missing for t in [flag, *values]]
             notes.append(f"{' '.join(f for f, _ in missing)} added ({why})")

@@ -31,5 +31,9 @@ FAMILY = Family(
     fallback_source="examples/pretrain_t5.sh as of 2021-2023 (the tree has no T5 example script)",
     present=lambda tree: os.path.isfile(os.path.join(tree, "pretrain_t5.py")),
     size_flags=_sizes,
+    # where the parser takes the decoder's depth apart and the script does not give it (Megatron-
+    # DeepSpeed's T5 then builds a decoder of None layers), the run's depth, as for the encoder
+    added=((("--decoder-num-layers", "1"), "the run's depth for the decoder too, which this parser takes apart "
+                                           "and does not default"),),
     data="wordpiece",
 )
