@@ -246,7 +246,9 @@ torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${MODEL_ARGS[@]} ${TRAINING_ARGS
 
 def test_llama3_keeps_its_script_but_the_sample_schedule_and_profiling(tmp_path):
     tree = make_tree(tmp_path / "tree", parser=PARSER + "add('--apply-layernorm-1p'); add('--fp8-format'); "
-                     "add('--fp8-param-gather'); add('--hidden-size'); add('--bf16'); add('--train-iters')",
+                     "add('--fp8-param-gather'); add('--hidden-size'); add('--bf16'); add('--train-iters'); "
+                     "add('--num-layers'); add('--seq-length'); add('--max-position-embeddings'); "
+                     "add('--micro-batch-size'); add('--lr-decay-iters')",
                      scripts={"examples/llama/train_llama3_8b_h100_fp8.sh": LLAMA3})
     family = registry.get("llama3")
     tokens, source = family.flags(tree)
