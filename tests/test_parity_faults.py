@@ -21,7 +21,7 @@ from support.porting import assert_clean, port
 
 from test_verify import apply, outcomes, run_verify
 
-PARITY_TEST = "test_loss_matches_unported_upstream_with_fusions_off"
+PARITY_TEST = "test_loss_matches_unported_upstream_with_fusions_off[gpt]"
 pytest.importorskip("torch")
 
 
@@ -38,7 +38,7 @@ def _assert_caught(result: dict, fault: str) -> None:
     assert result["exit"] != 0, f"verify was green with the {fault} fault planted ({FAULTS[fault].what})"
     assert tests[PARITY_TEST]["outcome"] == "failed", tests[PARITY_TEST]
     # The training itself still ran and its loss fell: only the comparison can see the fault.
-    assert tests["test_trains_through_upstreams_entry_point_with_the_example_flags"]["outcome"] == "passed"
+    assert tests["test_trains_through_upstreams_entry_point_with_the_example_flags[gpt]"]["outcome"] == "passed"
 
 
 @pytest.mark.upstream

@@ -155,3 +155,26 @@ def test_tree_is_first_on_the_path_and_bytecode_stays_out_of_it(tmp_path, monkey
     env = verify_mod.subprocess_env(tmp_path)
     assert env["PYTHONPATH"].split(":")[:2] == [str(tmp_path), "/elsewhere"]
     assert env["PYTHONPYCACHEPREFIX"] and not env["PYTHONPYCACHEPREFIX"].startswith(str(tmp_path))
+
+
+def test_an_unknown_model_family_is_a_one_line_usage_error(tmp_path):
+    result = invoke(str(fake_tree(tmp_path)), "--device", "cpu", "--model", "gpt,bret")
+    assert result.exit_code == 2
+    assert "unknown model family 'bret'; known: gpt, bert, t5, llama, llama3, mixtral, deepseek" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_family_the_tree_lacks_is_a_one_line_usage_error(tmp_path):
+    tree = fake_tree(tmp_path)
+    (tree / "pretrain_gpt.py").write_text("")
+    result = invoke(str(tree), "--device", "cpu", "--model", "bert")
+    assert result.exit_code == 2
+    assert "has no bert" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_chosen_families_reach_the_suite(tmp_path):
+    command = verify_mod.pytest_command("python", tmp_path, "cpu", "uniform", "s", tmp_path / "r.json", None, None,
+                                       color=False, models=["gpt", "t5"])
+    assert "--megaport-models=gpt,t5" in command
+    assert not any(c.startswith("--megaport-models") for c in verify_mod.pytest_command(
+        "python", tmp_path, "cpu", "uniform", "s", tmp_path / "r.json", None, None, color=False))

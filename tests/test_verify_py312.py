@@ -34,8 +34,8 @@ def test_verify_strict_trains_through_upstreams_parser(core_upstream_py312, tmp_
     assert summary["failed"] == 0 and summary["skipped"] == 0 and summary["passed"] >= 90, summary
     assert device["series"] == series
     tests = outcomes(document)
-    for name in ("test_trains_through_upstreams_entry_point_with_the_example_flags",
-                 "test_loss_matches_unported_upstream_with_fusions_off"):
+    for name in ("test_trains_through_upstreams_entry_point_with_the_example_flags[gpt]",
+                 "test_loss_matches_unported_upstream_with_fusions_off[gpt]"):
         assert tests[name]["outcome"] == "passed", tests[name]
     training = device["training"]
     parser = training.get("upstream_parser") or {}

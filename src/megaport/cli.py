@@ -288,15 +288,21 @@ def lint(patches, fmt):
                    "dependency that is not installed, or a GPU-only check on a CPU).")
 @click.option("--patches", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar="MEGAPORT_PATCHES",
               help="Catalogue that holds the tree's series [env: MEGAPORT_PATCHES].")
+@click.option("--model", "models", metavar="NAMES",
+              help="Model families to train, comma-separated (gpt, bert, t5, llama, llama3, mixtral, deepseek); "
+                   "default: every family the tree has.")
 @handle_errors
-def verify(tree, device, json_file, junit_file, keyword, strict, patches):
+def verify(tree, device, json_file, junit_file, keyword, strict, patches, models):
     """Run the smoke suite against a ported TREE's own code (default: current directory).
 
     \b
     Imports of every touched module (no apex, amp_C or *_cuda), the fused softmax and
     the apex substitutes against fp64/PyTorch references with the era's semantics,
     two ranks with the tree's backend (RCCL on ROCm, gloo on CPU) and TP=2 layers,
-    and a few steps of a tiny GPT. Runs under pytest in a fresh process.
+    and a few steps of every model family the tree has (GPT, BERT, T5, Llama,
+    Mixtral, DeepSeek: each through upstream's own entry point with its example's
+    flags, with loss parity against unported upstream; --model picks some).
+    Runs under pytest in a fresh process.
 
     A failure caused by the port, or by old upstream code that today's torch,
     NumPy or Python broke (torch._six, np.float, an unguarded TransformerEngine
@@ -310,7 +316,7 @@ def verify(tree, device, json_file, junit_file, keyword, strict, patches):
     from megaport.commands.verify import verify as run_verify
 
     options = VerifyOptions(tree=tree, device=device, json_file=json_file, junit_file=junit_file, keyword=keyword,
-                            strict=strict, patches=str(patches) if patches else None)
+                            strict=strict, patches=str(patches) if patches else None, models=models)
     return run_verify(options, _console(json_file))
 
 
@@ -371,9 +377,12 @@ def doctor(json_file):
               help="--train: the tree's own pretrain_gpt.py under torchrun (on CPU with megaport's substitutions "
                    "for CUDA-only plumbing), or megaport's harness on upstream's builders (trees from PyPI's "
                    "megatron-core); auto takes pretrain_gpt.py where the tree has it.")
+@click.option("--model", default="gpt", show_default=True, metavar="NAME",
+              help="--train: the model family (gpt, bert, t5, llama, llama3, mixtral, deepseek), through its own "
+                   "entry point with its example's flags.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, attention, shapes, head_dim, groups,
-          fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry):
+          fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry, model):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -417,7 +426,7 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, a
 
         sizes = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, steps=steps, warmup=warmup)
         return bench_train(TrainBenchOptions(tree=tree, device=device, sizes=sizes, rounds=rounds,
-                                             json_file=json_file, entry=entry), _console(json_file))
+                                             json_file=json_file, entry=entry, model=model), _console(json_file))
     from megaport.commands.bench import BenchOptions
     from megaport.commands.bench import bench as run_bench
 

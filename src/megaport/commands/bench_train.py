@@ -15,6 +15,7 @@ never asserts.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 from dataclasses import dataclass
@@ -42,11 +43,17 @@ class TrainBenchOptions:
     json_file: str | None = None
     python: str | None = None
     entry: str = "auto"
+    model: str = "gpt"  # the model family (megaport.train.families)
 
 
 def bench_train(options: TrainBenchOptions, console) -> int:
     python = options.python or sys.executable
     tree, state = ported_tree(options.tree)
+    from megaport.train.families import registry
+
+    if "," in options.model:
+        raise MegaportError(f"--model {options.model}: bench --train times one family at a time", exit_code=2)
+    family = registry.select(str(tree), options.model)[0] if options.model != "gpt" else registry.get("gpt")
     info = devices.probe_subprocess(python)
     require_torch(info, python)
     kind = resolve_device(options.device, info)
@@ -57,11 +64,12 @@ def bench_train(options: TrainBenchOptions, console) -> int:
     if sizes["warmup"] >= sizes["steps"]:
         raise MegaportError(f"--warmup {sizes['warmup']} leaves no timed step of --steps {sizes['steps']}",
                             exit_code=2)
-    entry = _entry(options.entry, tree)
-    side = _pretrain_side if entry == "pretrain" else _harness_side
+    entry = _entry(options.entry, tree, family)
+    side = functools.partial(_pretrain_side, family=family.name) if entry == "pretrain" else _harness_side
     env = subprocess_env(tree)
-    console.print(f"bench --train {tree} ({state.series}, {state.upstream_ref}) on {kind} through "
-                  f"{ENTRIES[entry]}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
+    through = (f"the tree's own {family.entry_point} under torchrun ({family.name})" if entry == "pretrain"
+               else ENTRIES[entry])
+    console.print(f"bench --train {tree} ({state.series}, {state.upstream_ref}) on {kind} through {through}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
     ported_runs, upstream_runs = [], []
     with console.status("") as status:
         for r in range(options.rounds):
@@ -74,6 +82,7 @@ def bench_train(options: TrainBenchOptions, console) -> int:
                     raise MegaportError(f"bench --train: {exc}") from None
                 (ported_runs if which == "ported" else upstream_runs).append(run)
     document = _document(tree, state, kind, info, sizes, ported_runs, upstream_runs)
+    document["model"] = family.name
     _table(console, document)
     write_json(options.json_file, document)
     return 0
@@ -83,29 +92,39 @@ ENTRIES = {"pretrain": "the tree's own pretrain_gpt.py under torchrun",
            "harness": "megaport's harness on upstream's megatron.core builders"}
 
 
-def _entry(requested: str, tree: Path) -> str:
-    """pretrain_gpt.py where the tree has it, else the harness."""
-    has_script = (tree / "pretrain_gpt.py").is_file()
+def _entry(requested: str, tree: Path, family=None) -> str:
+    """The family's entry point (GPT's by default) where the tree has it, else (GPT only) the harness."""
+    if family is None:
+        from megaport.train.families import registry
+
+        family = registry.get("gpt")
+    has_script = family.has_entry_point(str(tree))
+    if family.name != "gpt" and requested == "harness":
+        raise MegaportError(f"--entry harness trains GPT only; --model {family.name} runs {family.entry_point}",
+                            exit_code=2)
     if requested == "pretrain" and not has_script:
-        raise MegaportError(f"--entry pretrain: {tree} has no pretrain_gpt.py (a megatron-core package, not a "
+        raise MegaportError(f"--entry pretrain: {tree} has no {family.entry_point} (a megatron-core package, not a "
                             "Megatron-LM clone); use --entry harness", exit_code=2)
     if requested == "auto":
         return "pretrain" if has_script else "harness"
     return requested
 
 
-def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, device: str) -> dict:
-    """One side through the tree's pretrain_gpt.py: the ported tree with the example's flags, or
-    the unported commit (exported next to it) with the fusions off."""
+def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, device: str, *,
+                   family: str = "gpt") -> dict:
+    """One side through the family's entry point (the tree's pretrain_gpt.py for GPT): the ported
+    tree with the example's flags, or the unported commit (exported next to it) with the fusions off."""
     from megaport.train import baseline, example, pretrain
+    from megaport.train.families import registry
 
+    entry = registry.get(family).entry_point
     shape = example.Sizes(**{k: v for k, v in sizes.items() if k not in ("warmup",)})
     run = pretrain.Run(tree=str(tree), mode="ported" if which == "ported" else "fusions-off", device=device,
-                       sizes=shape, warmup=sizes["warmup"])
+                       sizes=shape, warmup=sizes["warmup"], family=family)
     if which == "ported":
-        return {**pretrain.run_pretrain(run, env), "what": "the ported tree's pretrain_gpt.py, the example's flags"}
+        return {**pretrain.run_pretrain(run, env), "what": f"the ported tree's {entry}, the example's flags"}
     result, _ = baseline.run_unported(run, sha)
-    return {**result, "what": "the unported upstream commit's pretrain_gpt.py, fusions off"}
+    return {**result, "what": f"the unported upstream commit's {entry}, fusions off"}
 
 
 def _harness_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, device: str) -> dict:

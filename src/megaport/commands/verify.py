@@ -39,6 +39,7 @@ class VerifyOptions:
     strict: bool = False
     patches: str | None = None
     python: str | None = None
+    models: str | None = None  # model families, comma-separated (None: all the tree has)
 
 
 def smoke_dir() -> Path:
@@ -75,7 +76,7 @@ def require_pytest(python: str) -> None:
 
 
 def pytest_command(python: str, tree: Path, kind: str, rows: str, series: str, results: Path,
-                   junit: str | None, keyword: str | None, color: bool) -> list[str]:
+                   junit: str | None, keyword: str | None, color: bool, models: list | None = None) -> list[str]:
     folder = smoke_dir()
     command = [
         python, "-m", "pytest", "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), str(folder),
@@ -85,6 +86,8 @@ def pytest_command(python: str, tree: Path, kind: str, rows: str, series: str, r
         f"--megaport-tree={tree}", f"--megaport-device={kind}", f"--megaport-masked-rows={rows}",
         f"--megaport-series={series}", f"--megaport-results={results}",
     ]
+    if models:
+        command += [f"--megaport-models={','.join(models)}"]
     if junit:
         command += [f"--junitxml={Path(junit).expanduser().absolute()}"]
     if keyword:
@@ -96,6 +99,7 @@ def verify(options: VerifyOptions, console) -> int:
     python = options.python or sys.executable
     tree, state = ported_tree(options.tree)
     rows = era_semantics(state, options.patches)
+    models = _families(tree, options.models)
     require_pytest(python)
     if options.device == "cpu" and python == sys.executable:
         # Nothing to choose: only check that torch is there (importing it here costs seconds; the
@@ -112,7 +116,7 @@ def verify(options: VerifyOptions, console) -> int:
     with tempfile.TemporaryDirectory(prefix="megaport-verify-") as scratch:
         results_file = Path(scratch) / "results.json"
         command = pytest_command(python, tree, kind, rows, state.series, results_file, options.junit_file,
-                                 options.keyword, color=stream.isatty())
+                                 options.keyword, color=stream.isatty(), models=models)
         console.print(f"verify {tree} ({state.series}, {state.upstream_ref} = {state.upstream_sha[:12]}) "
                       f"on {kind}: running the smoke suite under pytest")
         proc = _run_streaming(command, tree, stream)
@@ -142,6 +146,18 @@ def verify(options: VerifyOptions, console) -> int:
     if code == 2:
         raise MegaportError(_stopped_message(proc.returncode, options.keyword), exit_code=2)
     return code
+
+
+def _families(tree: Path, requested: str | None) -> list | None:
+    """The model families to train: ``requested`` checked against the registry and the tree (a
+    one-line error for an unknown name or one the tree lacks); None (the suite's default, every
+    family the tree has) when none was asked for. The tree is only read for a request: its
+    default families are decided inside the suite."""
+    if not requested:
+        return None
+    from megaport.train.families import registry
+
+    return [f.name for f in registry.select(str(tree), requested)]
 
 
 def era_unverified(results: dict | None) -> list[str]:
@@ -196,6 +212,31 @@ def _stopped_message(pytest_code: int, keyword: str | None) -> str:
     return f"pytest stopped with exit code {pytest_code} (see its output above)"
 
 
+def family_row(facts: dict) -> str:
+    """One family's training in a line: entry point, flags' source, iterations, loss parity, shims."""
+    training = facts.get("training") or {}
+    notes = training.get("notes") or []
+    source = facts.get("flags_from") or (notes[0].removeprefix("flags of ").split(", changed in")[0] if notes else "?")
+    text = f"{facts.get('entry_point', '?')}, flags of {source}"
+    if "error" in facts:
+        return f"{text}: did not train: {facts['error']}"
+    losses = facts.get("training_losses") or []
+    text += f"; {len(losses)} iterations" + (f", loss {losses[0]} → {losses[-1]}" if losses else "")
+    parity = facts.get("loss_parity")
+    if parity is None:
+        return text + ("; parity not run: " + facts["parity_error"] if "parity_error" in facts else "; parity not run")
+    norms = (f", grad norm {parity['grad_norm_max_relative_difference']:.1e}"
+             if parity.get("grad_norm_compared") else "")
+    verdict = "holds" if not parity.get("problems") else "FAILS: " + parity["problems"][0].splitlines()[0]
+    from megaport.train.shims.registry import REGISTRY
+
+    names = {shim.DESCRIPTION: name for name, shim in REGISTRY.items()}
+    shims = [names.get(s, s) for s in parity.get("baseline_shims") or []]
+    return (text + f"; parity {verdict} (loss {parity['max_relative_difference']:.1e}{norms} over "
+            f"{len(parity['iterations'])}, upstream's loss -{parity['loss_drop']:.0%}); baseline shims: "
+            + (", ".join(shims) or "none"))
+
+
 def report(console, document: dict, state: PortState) -> None:
     """Device and versions, then results per file, failures with their first line, skip reasons."""
     from rich.markup import escape
@@ -238,6 +279,10 @@ def report(console, document: dict, state: PortState) -> None:
         table.add_row("training on CPU", escape("; ".join(subs)))
     for line in device.get("cpu_check_substitutions") or []:
         table.add_row("checks on CPU", escape(line))
+    families = device.get("families") or {}
+    if any(name != "gpt" for name in families):
+        for name, facts in families.items():
+            table.add_row(f"family {name}", escape(family_row(facts)))
     parity = device.get("loss_parity")
     if parity:
         shims = parity.get("baseline_shims") or []

@@ -76,6 +76,8 @@ def pytest_addoption(parser):
                     help="the era's fully-masked-row semantics (the series' catalogue entry)")
     group.addoption("--megaport-series", default=None, help="series name, for the report")
     group.addoption("--megaport-results", metavar="FILE", default=None, help="write JSON results here")
+    group.addoption("--megaport-models", metavar="NAMES", default=None,
+                    help="model families to train, comma-separated (default: every family the tree has)")
 
 
 def _read_state(tree: Path) -> dict:

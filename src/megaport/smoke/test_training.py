@@ -1,5 +1,11 @@
-"""Training smoke: the tree trains through upstream's own entry point, with the same loss per
-iteration as the unported upstream commit with its fusions off.
+"""Training smoke: every model family the tree has trains through upstream's own entry point for
+it, with the same loss per iteration as the unported upstream commit with its fusions off.
+
+The families (:mod:`megaport.train.families`) are the tests' parameters: GPT's ``pretrain_gpt.py``
+with its era's gpt3 example, BERT's and T5's scripts (the padding-mask softmax), Llama, Mixtral and
+DeepSeek through ``pretrain_gpt.py`` with their own flags; ``megaport verify --model`` picks some.
+GPT's facts keep their keys (``training``, ``loss_parity``); every family's are under
+``families.<name>`` as well.
 
 A Megatron-LM tree runs its own ``pretrain_gpt.py`` with the flags of its era's example script,
 changed in size, iterations and data only (:mod:`megaport.train.pretrain`): upstream's model
@@ -29,47 +35,76 @@ import pytest
 
 from megaport.smoke import _tree
 from megaport.train import baseline, harness, parity, pretrain
+from megaport.train.families import registry
 
 MIN_LOGGED = parity.MIN_COMPARED  # iterations with a loss (fp16's loss-scale search skips the first ~16)
 HARNESS_STEPS = 48
 
 
-def _entry_point(smoke) -> str:
-    return "pretrain_gpt.py" if (smoke.tree / "pretrain_gpt.py").is_file() else "harness"
+def pytest_generate_tests(metafunc):
+    """One test of each kind per family: those ``--megaport-models`` names, else all the tree has."""
+    if "family" in metafunc.fixturenames:
+        smoke = metafunc.config.stash[_tree.SMOKE_KEY]
+        names = metafunc.config.getoption("--megaport-models")
+        chosen = [f.name for f in registry.select(str(smoke.tree), names)]
+        metafunc.parametrize("family", chosen, ids=chosen, scope="module")
 
 
-def _pretrain_run(smoke, mode: str = "ported") -> pretrain.Run:
-    return parity.parity_run(str(smoke.tree), mode, gpu=smoke.gpu)
+def _entry_point(smoke, family: str) -> str:
+    spec = registry.get(family)
+    if spec.has_entry_point(str(smoke.tree)):
+        return spec.entry_point
+    if family == registry.gpt.FAMILY.name:
+        return "harness"  # PyPI's megatron-core: no pretrain_gpt.py, upstream's builders in-process
+    raise RuntimeError(f"the tree has no {spec.entry_point}")
+
+
+def _pretrain_run(smoke, family: str, mode: str = "ported") -> pretrain.Run:
+    return parity.parity_run(str(smoke.tree), mode, gpu=smoke.gpu, family=family)
 
 
 def _harness(smoke, tree, mode, env):
     return harness.run_in_subprocess(tree, mode, env=env, steps=HARNESS_STEPS, device="cuda" if smoke.gpu else "cpu")
 
 
+def _facts(smoke, family: str) -> dict:
+    return smoke.facts.setdefault("families", {}).setdefault(family, {})
+
+
 @pytest.fixture(scope="module")
-def ported_run(smoke):
-    entry = _entry_point(smoke)
+def ported_run(smoke, family):
+    facts = _facts(smoke, family)
+    spec = registry.get(family)
+    facts["entry_point"] = spec.entry_point
+    facts["flags_from"] = spec.flags(str(smoke.tree))[1]  # said even where the run fails
     try:
-        if entry == "pretrain_gpt.py":
-            document = pretrain.run_pretrain(_pretrain_run(smoke), smoke.subprocess_env())
+        entry = _entry_point(smoke, family)
+        facts["entry_point"] = entry
+        if entry != "harness":
+            document = pretrain.run_pretrain(_pretrain_run(smoke, family), smoke.subprocess_env())
         else:
             document = _harness(smoke, smoke.tree, "ported", smoke.subprocess_env())
     except RuntimeError as exc:
+        facts["error"] = str(exc).splitlines()[0]
         pytest.fail(str(exc), pytrace=False)
     document["entry_point"] = entry
     keep = ("entry_point", "command", "data", "notes", "ms_per_iter", "tokens_per_s", "peak_memory_bytes",
             "peak_memory_kind", "port_log", "substitutions", "layer_spec", "fusions", "fusions_after_config", "ddp",
             "optimizer", "upstream_parser", "transformer_impl_default", "log", "engine")
-    smoke.facts["training"] = {k: document[k] for k in keep if k in document}
-    smoke.facts["training_losses"] = [round(v, 4) for v in document["losses"]]
-    if any(v is not None for v in document.get("grad_norms") or ()):
-        smoke.facts["training_grad_norms"] = document["grad_norms"]
-    if document.get("substitutions"):
-        smoke.facts["training_cpu_substitutions"] = document["substitutions"]
+    training = {k: document[k] for k in keep if k in document}
+    losses = [round(v, 4) for v in document["losses"]]
+    facts.update(training=training, training_losses=losses, iterations=len(losses))
+    if family == registry.gpt.FAMILY.name:  # GPT's keys, as before families
+        smoke.facts["training"] = training
+        smoke.facts["training_losses"] = losses
+        if any(v is not None for v in document.get("grad_norms") or ()):
+            smoke.facts["training_grad_norms"] = document["grad_norms"]
+        if document.get("substitutions"):
+            smoke.facts["training_cpu_substitutions"] = document["substitutions"]
     return document
 
 
-def test_trains_through_upstreams_entry_point_with_the_example_flags(smoke, ported_run):
+def test_trains_through_upstreams_entry_point_with_the_example_flags(smoke, family, ported_run):
     losses = ported_run["losses"]
     assert len(losses) >= MIN_LOGGED, f"upstream logged a loss for {len(losses)} iterations; need {MIN_LOGGED}"
     assert all(v == v for v in losses), f"loss became NaN: {losses}"
@@ -84,13 +119,13 @@ def test_trains_through_upstreams_entry_point_with_the_example_flags(smoke, port
             "masked_softmax_fusion was switched off: the port's softmax never ran"
 
 
-def test_loss_matches_unported_upstream_with_fusions_off(smoke, ported_run):
+def test_loss_matches_unported_upstream_with_fusions_off(smoke, family, ported_run):
     sha = smoke.state.get("upstream_sha")
     if not sha:
         pytest.fail("the tree records no upstream commit (.git/megaport/state.json)", pytrace=False)
     try:
-        if ported_run["entry_point"] == "pretrain_gpt.py":
-            base, _ = baseline.run_unported(_pretrain_run(smoke, "fusions-off"), sha)
+        if ported_run["entry_point"] != "harness":
+            base, _ = baseline.run_unported(_pretrain_run(smoke, family, "fusions-off"), sha)
             shims = base["baseline_shims"]
             compared = parity.loss_parity(ported_run, base)
         else:
@@ -99,8 +134,12 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, ported_run):
             steps = list(range(1, HARNESS_STEPS + 1))  # the harness logs every step
             compared = parity.loss_parity(dict(ported_run, iterations=steps), dict(base, iterations=steps))
     except RuntimeError as exc:
+        _facts(smoke, family)["parity_error"] = str(exc).splitlines()[0]
         pytest.fail(str(exc), pytrace=False)
     compared.update(against="unported upstream, fusions off", baseline_shims=shims)
-    smoke.facts["loss_parity"] = compared
+    _facts(smoke, family)["loss_parity"] = compared
+    if family == registry.gpt.FAMILY.name:
+        smoke.facts["loss_parity"] = compared
     problems = parity.parity_problems(compared, min(len(ported_run["losses"]), len(base["losses"])))
+    compared["problems"] = problems
     assert not problems, "\n".join(problems)

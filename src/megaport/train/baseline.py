@@ -50,11 +50,12 @@ def megaport_import_path() -> str | None:
     return None if folder in installed else folder
 
 
-def with_fewest_shims(start, env: dict, *, attempts: int = 8) -> tuple:
+def with_fewest_shims(start, env: dict, *, attempts: int = 8, first: tuple = ()) -> tuple:
     """``start(env)`` on an unported upstream, retried with one more shim each time it dies of a
-    failure a shim answers: (its result, the shims it needed). Any other failure is raised as it
-    is; so is a run whose processes loaded the port's code."""
-    names: list = []
+    failure a shim answers: (its result, the shims it needed). ``first``: shims it starts with (a
+    model family's own needs). Any other failure is raised as it is; so is a run whose processes
+    loaded the port's code."""
+    names: list = list(first)
     for _ in range(attempts):
         try:
             result = start(shims.environment(env, names))
@@ -79,10 +80,12 @@ def run_unported(run, sha: str) -> tuple[dict, list]:
     """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
     given (its mode, sizes, learning rate and dropout): (the result, the shims it needed, listed in
     the result)."""
+    from megaport.train.families import registry
     from megaport.train.pretrain import run_pretrain
 
     with unported_upstream(run.tree, sha) as (folder, env):
         upstream = dataclasses.replace(run, tree=folder)
-        result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env)
+        result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env,
+                                          first=registry.get(run.family).baseline_shims)
     result["baseline_shims"] = [shims.describe(s) for s in names]
     return result, names

@@ -36,9 +36,20 @@ def write_gpt2_vocabulary(directory: str) -> tuple[str, str]:
     return vocab_file, merges_file
 
 
-def write_indexed_dataset(prefix: str, documents: list) -> None:
+def write_indexed_dataset(prefix: str, documents: list, *, sentences: bool = False) -> None:
     """``prefix.bin``/``prefix.idx`` in upstream's mmap indexed format (MMIDIDX, version 1,
-    uint16 tokens): one sequence per document, as upstream's preprocess_data.py writes them."""
+    uint16 tokens): one sequence per document, as upstream's preprocess_data.py writes them; with
+    ``sentences``, each document a list of sentences, one sequence each, as its
+    ``--split-sentences`` writes them (BERT's and T5's datasets sample sentence spans of a document)."""
+    sequences = [s for doc in documents for s in doc] if sentences else documents
+    boundaries = [0]
+    for doc in documents:
+        boundaries.append(boundaries[-1] + (len(doc) if sentences else 1))
+    _write(prefix, sequences, boundaries)
+
+
+def _write(prefix: str, sequences: list, boundaries: list) -> None:
+    documents = sequences
     sizes = [len(doc) for doc in documents]
     with open(prefix + ".bin", "wb") as f:
         for doc in documents:
@@ -52,10 +63,10 @@ def write_indexed_dataset(prefix: str, documents: list) -> None:
         f.write(struct.pack("<Q", 1))
         f.write(struct.pack("<B", 8))  # uint16 in upstream's dtype codes
         f.write(struct.pack("<Q", len(sizes)))
-        f.write(struct.pack("<Q", len(documents) + 1))
+        f.write(struct.pack("<Q", len(boundaries)))
         f.write(struct.pack(f"<{len(sizes)}i", *sizes))
         f.write(struct.pack(f"<{len(pointers)}q", *pointers))
-        f.write(struct.pack(f"<{len(documents) + 1}q", *range(len(documents) + 1)))
+        f.write(struct.pack(f"<{len(boundaries)}q", *boundaries))
 
 
 def learnable_documents(count: int, length: int, vocab: int, seed: int) -> list:

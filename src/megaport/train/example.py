@@ -50,6 +50,9 @@ SHORT_RUN = ["--split", "949,50,1", "--log-interval", "1", "--eval-interval", "1
 #: --mock-data): an empty test split would make it loop for ever over zero-token epochs, and its
 #: samplers refuse an empty validation set.
 SHORT_RUN_CORE_DATA = ["--split", "90,10,0", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
+#: The same for BERT's and T5's datasets before megatron.core's (2022-2023): they build the
+#: validation split's sample mapping whatever --eval-iters says, and refuse zero samples.
+SHORT_RUN_SENTENCES = [*SHORT_RUN[:-1], "1"]
 #: What a ROCm user without megaport adds to run upstream at all (those the era's parser has).
 FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
                      "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
@@ -79,18 +82,25 @@ def _words(line: str) -> list:
         return []
 
 
-def script_flags(text: str) -> list:
+def script_flags(text: str, *, quoted_strings: bool = False) -> list:
     """The flags a shell script passes to pretrain_gpt.py, in order: every ``--flag value...`` in
     it (``ARGS=( ... )`` arrays, ``ARGS="..."`` strings or one command line alike) but torchrun's,
     without comments, or flags whose values are shell variables (paths). A flag's values end at the
-    next flag or the end of its (continued) line; a quoted value stays one value."""
+    next flag or the end of its (continued) line; a quoted value stays one value. With
+    ``quoted_strings``, the last line of a multi-line ``ARGS="...`` string whose closing quote follows
+    a continuation (T5's 2024 script) is read too, and a quoted ``"--flag value"`` word is a flag and
+    its value (Llama 3's array entries); GPT's reading predates both and stays as it was."""
     out = []
     for line in text.replace("\\\n", " ").splitlines():
         line = re.sub(r"^\s*\w+=\(|^\s*\)", " ", line)  # ARGS=( ... ) array brackets
         words = _words(line)
+        if quoted_strings and not words and line.count('"') % 2:  # the end of a quoted multi-line ARGS="..." string
+            words = _words(line.replace('"', " "))
         if len(words) == 1 and "--" in words[0] and re.match(r"^\s*\w+=\"", line):
             words = _words(words[0].split("=", 1)[1])  # ARGS="--a 1 --b 2"
         tokens = [t for t in (w.strip("()") for w in words) if t]
+        if quoted_strings:  # ARGS+=("--fp8-format hybrid" ...): a quoted flag and its value, one word each
+            tokens = [part for t in tokens for part in (t.split() if t.startswith("--") else [t])]
         i = 0
         while i < len(tokens):
             flag = tokens[i]
@@ -109,7 +119,7 @@ def script_flags(text: str) -> list:
 
 def flag_value(tokens: list, flag: str) -> str | None:
     """The last value given for ``flag`` in ``tokens`` (argparse's answer), or None."""
-    values = [values for f, values in _grouped(tokens) if f == flag and values]
+    values = [values for f, values in group_flags(tokens) if f == flag and values]
     return values[-1][0] if values else None
 
 
@@ -195,9 +205,11 @@ LEARNABLE_MOCK_VOCAB = 256
 _MOCK_DATASET = "megatron/core/datasets/gpt_dataset.py"
 
 
-def parity_learning_rate(tree: str) -> float | None:
-    """:data:`PARITY_LEARNING_RATE` where the example's learning rate is lower, else None (keep it)."""
-    tokens, _ = example_flags(tree)
+def parity_learning_rate(tree: str, tokens: list | None = None) -> float | None:
+    """:data:`PARITY_LEARNING_RATE` where the example's learning rate (in ``tokens``, a family's
+    flags; GPT's example by default) is lower, else None (keep it)."""
+    if tokens is None:
+        tokens, _ = example_flags(tree)
     given = flag_value(tokens, "--lr")
     return PARITY_LEARNING_RATE if given is None or float(given) < PARITY_LEARNING_RATE else None
 
@@ -226,7 +238,7 @@ def mock_data(sizes: Sizes) -> list:
     return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(sizes.vocab), *short]
 
 
-def _grouped(tokens: list) -> list:
+def group_flags(tokens: list) -> list:
     """``[(flag, [values...]), ...]`` in order."""
     out, i = [], 0
     while i < len(tokens):
@@ -240,7 +252,7 @@ def _grouped(tokens: list) -> list:
 
 
 def shrunk(tokens: list, sizes: Sizes, *, data: list, tree: str | None = None,
-           notes: list | None = None) -> list:
+           notes: list | None = None, more_sizes: dict | None = None) -> list:
     """The script's flags with ``sizes``, one rank, and ``data`` in place of its I/O.
 
     With ``tree``, a flag upstream renamed after the script was written takes the name the tree's
@@ -255,8 +267,8 @@ def shrunk(tokens: list, sizes: Sizes, *, data: list, tree: str | None = None,
                  "--global-batch-size": [sizes.batch], "--train-iters": [sizes.steps],
                  "--lr-decay-iters": [sizes.steps], "--tensor-model-parallel-size": [1],
                  "--pipeline-model-parallel-size": [1],
-                 "--step-batch-size-schedule": [f"0:{sizes.batch}"]}
-    groups = [(f, v) for f, v in _grouped(tokens) if f.startswith("--") and f not in IO_FLAGS]
+                 "--step-batch-size-schedule": [f"0:{sizes.batch}"], **(more_sizes or {})}
+    groups = [(f, v) for f, v in group_flags(tokens) if f.startswith("--") and f not in IO_FLAGS]
     flags = {f for f, _ in groups}
     if "--step-batch-size-schedule" in flags and "--global-batch-size" in flags:
         groups = [(f, v) for f, v in groups if f != "--global-batch-size"]

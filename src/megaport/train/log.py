@@ -45,7 +45,8 @@ def parse_log(text: str) -> list:
     return found
 
 
-def failure_message(returncode: int, stdout: str, stderr: str, logged: int, lines: int = 25) -> str:
+def failure_message(returncode: int, stdout: str, stderr: str, logged: int, lines: int = 25,
+                    entry_point: str = "pretrain_gpt.py") -> str:
     """Why the run failed, in the rank's own words: torchrun's exit status is always 1 and its
     ChildFailedError report ends stderr, so the rank's exit code is read from that report and the
     report itself is left out of the quoted tail."""
@@ -58,7 +59,7 @@ def failure_message(returncode: int, stdout: str, stderr: str, logged: int, line
     status = f"exit code {code.group(1)}" if code else f"exit code {returncode}"
     errors = [m.group(1) for m in _ERROR.finditer(stdout + "\n" + own)]
     reason = f" {errors[-1][:300]}" if errors else ""
-    return f"pretrain_gpt.py failed ({status}) after {logged} logged iterations:{reason}\n{tail}"
+    return f"{entry_point} failed ({status}) after {logged} logged iterations:{reason}\n{tail}"
 
 
 def port_lines(text: str) -> list:

@@ -71,20 +71,24 @@ def loss_parity(ported: dict, baseline: dict) -> dict:
             "ported_grad_norms": [mine[i][1] for i in norms], "upstream_grad_norms": [theirs[i][1] for i in norms]}
 
 
-def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False) -> Run:
-    """The run loss parity compares, on either side: the example's flags with a learning rate
+def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False, family: str = "gpt") -> Run:
+    """The run loss parity compares, on either side: the family's example flags with a learning rate
     and data a short run measurably learns from (:func:`example.parity_data`), fp16's loss scale
     where no step overflows, and dropout 0: upstream's fused bias-dropout-add draws its masks
     otherwise than the unfused one (main at 3e-3: 0.8 % apart in grad norm from the first step, 38 %
     by the end with the example's dropout; 0.5 % with none)."""
-    sizes, data = example.parity_data(GPU_SIZES if gpu else example.Sizes(), tree)
+    from megaport.train.families import registry
+
+    spec = registry.get(family)
+    sizes, data = example.parity_data(GPU_SIZES if gpu else spec.sizes, tree)
     extra = ()
     if mode == "ported" and _upstream_has(tree, *_SHARED_WGRAD_DROPPED):
         extra = ((("--no-gradient-accumulation-fusion",),
                   "for loss parity: upstream's fused path of this era drops the shared word embedding's input-side "
                   "gradient, its unfused path keeps it"),)
     return Run(tree=tree, mode=mode, device="cuda" if gpu else "cpu", sizes=sizes, extra=extra,
-               lr=example.parity_learning_rate(tree), data=data, initial_loss_scale=PARITY_LOSS_SCALE, dropout=0.0)
+               lr=example.parity_learning_rate(tree, spec.flags(tree)[0]), data=data,
+               initial_loss_scale=PARITY_LOSS_SCALE, dropout=0.0, family=family)
 
 
 def _upstream_has(tree: str, path: str, text: str) -> bool:

@@ -66,6 +66,8 @@ class Run:
     # Megatron-DeepSpeed trees: "deepspeed" (the example's --deepspeed, DeepSpeed's engine) or
     # "megatron" (its DeepSpeed flags left out: Megatron's own loop). Upstream trees ignore it.
     engine: str = "deepspeed"
+    # the model family (megaport.train.families): its entry point, flags, sizes' flags and data
+    family: str = "gpt"
 
 
 @dataclass
@@ -84,23 +86,36 @@ class Command:
 
 
 def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
-    """The torchrun command of the tree's pretrain_gpt.py for ``run``; data files go to ``workdir``."""
-    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine)
+    """The torchrun command of the tree's entry point for ``run``'s family (pretrain_gpt.py for
+    GPT); data files go to ``workdir``."""
+    from megaport.train.families import registry
+
+    family = registry.get(run.family)
+    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine) if family.name == "gpt" else None
     if fork is not None:
         tokens, notes = fork.tokens, list(fork.notes)
     else:
-        tokens, source = example.example_flags(run.tree)
+        tokens, source = family.flags(run.tree)
         notes = [f"flags of {source}, changed in size, iterations and data only"]
-    mock = example.parser_has(run.tree, "--mock-data") if run.data is None else run.data == "mock"
-    if mock:
+        tokens = _family_flags(family, tokens, run.tree, notes)
+    core_data = example.parser_has(run.tree, "--mock-data")
+    if family.data == "wordpiece":
+        from megaport.train.wordpiece import wordpiece_data_flags
+
+        tokenizer = example.flag_value(tokens, "--tokenizer-type") or "BertWordPieceLowerCase"
+        data = wordpiece_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else
+                                    example.SHORT_RUN_SENTENCES, tokenizer)
+        described = f"a tiny indexed dataset of multi-sentence documents and a WordPiece vocabulary ({tokenizer}) " \
+                    "written for the run"
+    elif (core_data if run.data is None else run.data == "mock"):
         data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
     else:
         from megaport.train.data import indexed_data_flags
 
-        core_data = example.parser_has(run.tree, "--mock-data")
         data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else example.SHORT_RUN)
         described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
-    flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes) + (fork.deepspeed if fork else [])
+    flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes,
+                           more_sizes=family.size_flags(run.sizes)) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
         flags += example.fusions_off_flags(run.tree)
     if run.dropout is not None:
@@ -117,10 +132,33 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
+    for name, (value, why) in family.environment.items():
+        notes.append(f"{name}={value} in the environment ({why})")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
                 "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
-    return Command(launcher + ["pretrain_gpt.py", *flags], run.tree, described, notes)
+    return Command(launcher + [family.entry_point, *flags], run.tree, described, notes)
+
+
+def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
+    """A family's flags for a short run: its added flags, less those it drops (each said in the
+    notes) and, for families other than GPT, less those the era's parser lacks."""
+    for added, why in family.added:
+        present = {t for t in tokens if t.startswith("--")}
+        missing = [g for g in example.group_flags(list(added)) if g[0] not in present
+                   and (not family.drop_unknown_flags or example.parser_has(tree, g[0]))]
+        if missing:
+            tokens = tokens + [t for flag, values in missing for t in [flag, *values]]
+            notes.append(f"{' '.join(f for f, _ in missing)} added ({why})")
+    out = []
+    for flag, values in example.group_flags(tokens):
+        if flag in family.dropped:
+            notes.append(f"{flag} left out ({family.dropped[flag]})")
+        elif family.drop_unknown_flags and flag.startswith("--") and not example.parser_has(tree, flag):
+            notes.append(f"{flag} left out (this era's parser has no such flag)")
+        else:
+            out += [flag, *values]
+    return out
 
 
 def environment(tree: str, base: dict | None = None) -> dict:
@@ -169,14 +207,19 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
         failures, audits = os.path.join(workdir, "failures"), os.path.join(workdir, "audits")
         os.makedirs(failures)
         os.makedirs(audits)
-        run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits}
+        from megaport.train.families import registry
+
+        run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
+                   **{k: v for k, (v, _) in registry.get(run.family).environment.items()}}
         proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
         died_of, port_code = failure.read(failures), audit.read(audits)
     text = proc.stdout + "\n" + proc.stderr
     iterations = log.parse_log(text)
     if proc.returncode != 0 or not iterations:
-        raise failure.RunFailed(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations)),
+        raise failure.RunFailed(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations),
+                                                    entry_point=cmd.argv[cmd.argv.index("megaport.train.launch") + 1 +
+                                                                         (run.device == "cpu")]),
                                 died_of)
     timed = [i.ms for i in iterations[run.warmup:]] or [i.ms for i in iterations]
     ms = statistics.median(timed)
@@ -212,24 +255,31 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", choices=deepspeed_example.ENGINES, default="deepspeed",
                         help="Megatron-DeepSpeed trees: DeepSpeed's engine (the example's --deepspeed) or "
                              "Megatron's own loop")
+    parser.add_argument("--model", default="gpt", help="the model family (megaport.train.families)")
     parser.add_argument("--print-command", action="store_true",
                         help="write the run's data files (eras without --mock-data) to --workdir, print the "
                              "command and exit")
     parser.add_argument("--workdir", help="where --print-command writes data files (default: a new temporary folder)")
     args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.tree, "pretrain_gpt.py")):
-        parser.error(f"{args.tree} has no pretrain_gpt.py; give a Megatron-LM tree (megaport apply --dest DIR)")
+    from megaport.train.families import registry
+
+    family = registry.FAMILIES.get(args.model)
+    if family is None:
+        parser.error(f"unknown model family {args.model!r}; known: {', '.join(registry.FAMILIES)}")
+    if not family.has_entry_point(args.tree):
+        parser.error(f"{args.tree} has no {family.entry_point}; give a Megatron-LM tree (megaport apply --dest DIR)")
     defaults = GPU_SIZES if args.device == "cuda" else example.Sizes()
     sizes = example.Sizes(**{k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in dataclasses.asdict(defaults).items()})
-    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=sizes, engine=args.engine)
+    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=sizes, engine=args.engine,
+              family=args.model)
     if args.print_command:
         workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
         os.makedirs(workdir, exist_ok=True)
         cmd = command(run, workdir, port=29500)
-        env = environment(run.tree, {})
-        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed_fork.ACCELERATOR_ENV)
-                         if k in env}))
+        env = {**environment(run.tree, {}), **{k: v for k, (v, _) in family.environment.items()}}
+        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed_fork.ACCELERATOR_ENV,
+                                             *family.environment) if k in env}))
         return 0
     print(json.dumps(run_pretrain(run)))
     return 0

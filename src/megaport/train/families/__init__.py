@@ -1,0 +1,1 @@
+"""Model families as specs (:mod:`.spec`), one module each, in one registry (:mod:`.registry`)."""

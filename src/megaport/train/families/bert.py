@@ -1,0 +1,32 @@
+"""BERT: upstream's ``pretrain_bert.py`` (v2.0 to main of 2026-05), with the padding-mask softmax.
+
+BERT and T5 are the only upstream trainings that run the *padding-mask* fused softmax
+(``scaled_masked_softmax``); GPT runs the causal one. Flags: ``examples/bert/train_bert_340m_distributed.sh``
+(2024 on) or ``examples/pretrain_bert.sh`` (before).
+"""
+
+import os
+
+from megaport.train import example
+from megaport.train.families.spec import Family
+
+FAMILY = Family(
+    name="bert",
+    entry_point="pretrain_bert.py",
+    summary="BERT-Large style encoder, masked LM and sentence-order head",
+    scripts=("examples/bert/train_bert_340m_distributed.sh", "examples/pretrain_bert.sh"),
+    # examples/pretrain_bert.sh of v2.0-2023 (its model and training flags)
+    fallback=tuple("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --micro-batch-size 4 "
+                   "--global-batch-size 8 --seq-length 512 --max-position-embeddings 512 --train-iters 2000000 "
+                   "--lr-decay-iters 990000 --lr 0.0001 --min-lr 0.00001 --lr-decay-style linear "
+                   "--lr-warmup-fraction .01 --weight-decay 1e-2 --clip-grad 1.0 --fp16".split()),
+    fallback_source="examples/pretrain_bert.sh as of v2.0-2023 (the tree has no BERT example script)",
+    present=lambda tree: os.path.isfile(os.path.join(tree, "pretrain_bert.py")),
+    sizes=example.Sizes(),
+    data="wordpiece",
+    # megatron.core's BertModel (core 0.6 on) asserts one of these is 0 and says to set it
+    environment={"NVTE_FLASH_ATTN": ("0", "megatron.core's BertModel (core 0.6 on; older BERTs ignore it) refuses to start "
+                                          "without it: 'Bert currently "
+                                          "does not support flash attention. Please set env variable "
+                                          "NVTE_FLASH_ATTN=0'")},
+)

@@ -1,0 +1,38 @@
+"""Mixtral 8x7B: upstream's ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (from 2024-07),
+through ``pretrain_gpt.py``: MoE (top-2 of 8 experts, grouped GEMM, all-to-all dispatcher),
+RMSNorm, RoPE, SwiGLU, GQA.
+"""
+
+from megaport.train import example
+from megaport.train.families.spec import Family, entry_point_and
+
+SCRIPT = "examples/mixtral/train_mixtral_8x7b_distributed.sh"
+
+
+def _sizes(sizes: example.Sizes) -> dict:
+    return {"--ffn-hidden-size": [4 * sizes.hidden], "--num-query-groups": [max(1, sizes.heads // 2)],
+            "--num-experts": [4], "--expert-model-parallel-size": [1],
+            "--lr-warmup-iters": [max(1, sizes.steps // 10)]}
+
+
+FAMILY = Family(
+    name="mixtral",
+    entry_point="pretrain_gpt.py",
+    summary="Mixtral 8x7B MoE (top-2 routing, grouped GEMM, all-to-all), RMSNorm, RoPE, SwiGLU, GQA",
+    scripts=(SCRIPT,),
+    # the script as of 2024-07 (its model, MoE and training flags), for trees with MoE but no script
+    fallback=tuple(("--disable-bias-linear --seq-length 4096 --max-position-embeddings 32768 --num-layers 32 "
+                    "--hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01 "
+                    "--attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type "
+                    "rope --swiglu --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 8 "
+                    "--no-masked-softmax-fusion --no-position-embedding --num-experts 8 --moe-router-topk 2 "
+                    "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm "
+                    "--moe-token-dispatcher-type alltoall --micro-batch-size 1 --global-batch-size 256 --lr 1e-4 "
+                    "--train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 "
+                    "--weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16 --tensor-model-parallel-size 1 "
+                    "--pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --use-distributed-optimizer "
+                    "--sequence-parallel").split()),
+    fallback_source=f"{SCRIPT} as of 2024-07 (the tree has MoE but no Mixtral script)",
+    present=entry_point_and("--num-experts", "--normalization", "--moe-router-topk"),
+    size_flags=_sizes,
+)

@@ -1,0 +1,82 @@
+"""What a model family is to verify and ``bench --train``: one spec, read by both.
+
+A family names upstream's entry point for the model, the example scripts its flags come from
+(newest layout first) and a flag set for trees without any of them, the rule that says a tree has
+the family, the sizes a shrunk run takes, the data it trains on and the flags that carry sizes
+beyond GPT's. Adding a family adds a module beside this one and a line in :mod:`.registry`;
+nothing in the runner branches on a family's name (TorchTitan's ``TrainSpec``, here for
+Megatron's own entry points).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from megaport.train import example
+
+
+def _always(tree: str) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family upstream ships, as verify trains it."""
+
+    name: str
+    #: upstream's script that trains it, at the tree's root
+    entry_point: str
+    #: one line for people: what upstream model it is
+    summary: str
+    #: example scripts its flags come from, newest layout first; the first the tree has is read
+    scripts: tuple = ()
+    #: the flags for a tree with none of ``scripts``, and where they come from
+    fallback: tuple = ()
+    fallback_source: str = ""
+    #: whether the tree has the family (its entry point, the features its flags need)
+    present: Callable[[str], bool] = _always
+    #: a shrunk run's sizes on the CPU
+    sizes: example.Sizes = field(default_factory=example.Sizes)
+    #: "gpt": mock data where the era's mock documents are learnable, else the GPT-2 indexed
+    #: dataset (:mod:`megaport.train.data`); "wordpiece": a WordPiece vocabulary and a dataset of
+    #: multi-sentence documents (:mod:`megaport.train.wordpiece`), for BERT and T5
+    data: str = "gpt"
+    #: flags beyond GPT's that carry a size, and their shrunk values: (sizes) -> {flag: [values]}
+    size_flags: Callable[[example.Sizes], dict] = lambda sizes: {}
+    #: the script's flags a short run leaves out, each with why: {flag: why}
+    dropped: dict = field(default_factory=dict)
+    #: flags added after the script's, each group with why: ((flags...), why), ...
+    added: tuple = ()
+    #: environment variables both sides run with, each with why: {name: (value, why)}
+    environment: dict = field(default_factory=dict)
+    #: baseline shims the unported side starts with (beyond those a failure asks for)
+    baseline_shims: tuple = ()
+    #: whether flags the era's parser lacks are left out (and said in the notes) and multi-line
+    #: quoted ARGS strings read to their end; GPT keeps its script's flags as it always read them
+    #: (its rows predate families)
+    drop_unknown_flags: bool = True
+
+    def flags(self, tree: str) -> tuple[list, str]:
+        """The family's flags for ``tree`` and where they came from: the tree's script, else the
+        fallback set."""
+        for rel in self.scripts:
+            path = os.path.join(tree, rel)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    return (example.script_flags(f.read(), quoted_strings=self.drop_unknown_flags),
+                            f"{rel} of the tree")
+        return list(self.fallback), self.fallback_source
+
+    def has_entry_point(self, tree: str) -> bool:
+        return os.path.isfile(os.path.join(tree, self.entry_point))
+
+
+def entry_point_and(*flags: str, entry_point: str = "pretrain_gpt.py") -> Callable[[str], bool]:
+    """A presence rule: the tree has ``entry_point`` and its parser every one of ``flags``."""
+    def present(tree: str) -> bool:
+        return (os.path.isfile(os.path.join(tree, entry_point))
+                and all(example.parser_has(tree, flag) for flag in flags))
+    present.__doc__ = f"{entry_point} and the parser's {', '.join(flags) or 'any flags'}"
+    return present

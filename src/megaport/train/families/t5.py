@@ -1,0 +1,39 @@
+"""T5: upstream's ``pretrain_t5.py`` (2021-04 to main of 2026-05), encoder-decoder with the
+padding-mask softmax in its encoder and cross attention.
+
+Flags: ``examples/t5/train_t5_220m_distributed.sh`` (2024 on) or ``examples/pretrain_t5.sh`` (before).
+"""
+
+import os
+
+from megaport.train import example
+from megaport.train.families.spec import Family
+
+
+def _sizes(sizes: example.Sizes) -> dict:
+    # the decoder reads the masked spans: 15 % of the encoder's tokens and a sentinel per span
+    return {"--encoder-seq-length": [sizes.seq], "--decoder-seq-length": [sizes.seq // 2],
+            "--encoder-num-layers": [sizes.layers], "--decoder-num-layers": [sizes.layers],
+            "--kv-channels": [sizes.hidden // sizes.heads], "--ffn-hidden-size": [4 * sizes.hidden]}
+
+
+FAMILY = Family(
+    name="t5",
+    entry_point="pretrain_t5.py",
+    summary="T5 encoder-decoder, span-corruption objective",
+    scripts=("examples/t5/train_t5_220m_distributed.sh", "examples/pretrain_t5.sh"),
+    # examples/pretrain_t5.sh of 2021-2023 (its model and training flags)
+    fallback=tuple("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --kv-channels 64 "
+                   "--ffn-hidden-size 3072 --encoder-seq-length 512 --decoder-seq-length 128 --micro-batch-size 16 "
+                   "--global-batch-size 16 --max-position-embeddings 512 --train-iters 1000000 "
+                   "--lr-decay-iters 1000000 --lr 0.0001 --min-lr 0.00001 --lr-decay-style linear "
+                   "--lr-warmup-fraction .01 --weight-decay 1e-2 --clip-grad 1.0 --fp16 --vocab-extra-ids 100".split()),
+    fallback_source="examples/pretrain_t5.sh as of 2021-2023 (the tree has no T5 example script)",
+    present=lambda tree: os.path.isfile(os.path.join(tree, "pretrain_t5.py")),
+    size_flags=_sizes,
+    # where the parser takes the decoder's depth apart and the script does not give it (Megatron-
+    # DeepSpeed's T5 then builds a decoder of None layers), the run's depth, as for the encoder
+    added=((("--decoder-num-layers", "1"), "the run's depth for the decoder too, which this parser takes apart "
+                                           "and does not default"),),
+    data="wordpiece",
+)

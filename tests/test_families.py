@@ -1,0 +1,281 @@
+"""Model families (megaport.train.families): the registry, each family's presence rule, its flags
+from a tree's script or its fallback set, shrunk to the run's sizes, the WordPiece data BERT and
+T5 train on, and verify's --model choice (fake trees: seconds; the real trees are trained by
+test_families_fullclone.py and verify's smoke suite)."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import pytest
+
+from megaport.errors import MegaportError
+from megaport.train import example, pretrain, wordpiece
+from megaport.train.families import registry
+from megaport.train.families.spec import Family
+
+ALL = ["gpt", "bert", "t5", "llama", "llama3", "mixtral", "deepseek"]
+# the architecture flags the non-GPT families' presence rules read in the era's parser
+PARSER = """
+add('--normalization'); add('--swiglu'); add('--group-query-attention'); add('--disable-bias-linear')
+add('--untie-embeddings-and-output-weights'); add('--no-position-embedding'); add('--num-experts')
+add('--moe-router-topk'); add('--multi-latent-attention'); add('--mock-data'); add('--num-query-groups')
+add('--ffn-hidden-size'); add('--kv-channels')
+"""
+BERT_2024 = """#!/bin/bash
+VOCAB_FILE=$3 #<Specify path to file>/bert-vocab.json
+BERT_MODEL_ARGS=(
+    --num-layers 24
+    --hidden-size 1024
+    --num-attention-heads 16
+    --seq-length 512
+    --max-position-embeddings 512
+)
+TRAINING_ARGS=(
+    --micro-batch-size 4
+    --fp16
+    --lr 0.0001
+)
+DATA_ARGS=(
+    --data-path $DATA_PATH
+    --vocab-file $VOCAB_FILE
+)
+torchrun ${DISTRIBUTED_ARGS[@]} pretrain_bert.py ${BERT_MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DATA_ARGS[@]}
+"""
+# T5's 2024 script: a quoted multi-line string whose closing quote follows a continuation
+T5_2024 = """#!/bin/bash
+T5_ARGS="
+    --encoder-num-layers 12 \\
+    --decoder-num-layers 12 \\
+    --hidden-size 768 \\
+    --num-attention-heads 12 \\
+    --kv-channels 64 \\
+    --ffn-hidden-size 3072 \\
+    --encoder-seq-length 512 \\
+    --decoder-seq-length 128 \\
+    --bf16 \\
+    --vocab-extra-ids 100 \\
+    --attention-backend auto \\
+"
+DATA_ARGS="
+    --data-path $DATA_PATH \\
+    --tokenizer-type BertWordPieceCase \\
+    --split 99982,9,9 \\
+"
+torchrun $DISTRIBUTED_ARGS pretrain_t5.py $T5_ARGS $DATA_ARGS
+"""
+
+
+def make_tree(root: Path, *, entry_points=("pretrain_gpt.py",), parser: str = "", scripts: dict | None = None) -> str:
+    (root / "megatron").mkdir(parents=True)
+    (root / "megatron/arguments.py").write_text(parser)
+    for name in entry_points:
+        (root / name).write_text("")
+    for rel, text in (scripts or {}).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(root)
+
+
+def test_the_registry_holds_one_spec_per_family_module():
+    assert list(registry.FAMILIES) == ALL
+    assert all(isinstance(f, Family) and f.name == name for name, f in registry.FAMILIES.items())
+    assert registry.get("bert").entry_point == "pretrain_bert.py"
+    assert registry.get("t5").entry_point == "pretrain_t5.py"
+    assert {registry.get(n).entry_point for n in ("gpt", "llama", "llama3", "mixtral", "deepseek")} == {"pretrain_gpt.py"}
+
+
+def test_an_unknown_family_is_a_one_line_error_naming_the_known_ones():
+    with pytest.raises(MegaportError) as error:
+        registry.get("gpt4")
+    message = str(error.value)
+    assert "\n" not in message and "'gpt4'" in message and all(name in message for name in ALL)
+    assert error.value.exit_code == 2
+
+
+@pytest.mark.parametrize("entry_points, parser, expected", [
+    # PyPI's megatron-core: no entry point at all, GPT through the harness
+    ((), "", ["gpt"]),
+    # 2022: GPT, BERT and T5 scripts, a parser without RMSNorm or MoE
+    (("pretrain_gpt.py", "pretrain_bert.py", "pretrain_t5.py"), "add('--num-layers')", ["gpt", "bert", "t5"]),
+    # 2024-2026: all of them but llama3 (no Llama 3 script here)
+    (("pretrain_gpt.py", "pretrain_bert.py", "pretrain_t5.py"), PARSER, ["gpt", "bert", "t5", "llama", "mixtral",
+                                                                          "deepseek"]),
+    # main after 2026-05: BERT and T5 gone
+    (("pretrain_gpt.py",), PARSER, ["gpt", "llama", "mixtral", "deepseek"]),
+])
+def test_each_tree_has_the_families_its_entry_points_and_parser_allow(tmp_path, entry_points, parser, expected):
+    tree = make_tree(tmp_path, entry_points=entry_points, parser=parser)
+    assert [f.name for f in registry.families_for(tree)] == expected
+
+
+def test_llama3_is_present_where_the_tree_has_its_script(tmp_path):
+    tree = make_tree(tmp_path, parser=PARSER, scripts={"examples/llama/train_llama3_8b_h100_fp8.sh": "#!/bin/bash\n"})
+    assert "llama3" in [f.name for f in registry.families_for(tree)]
+
+
+def test_model_selection_checks_names_and_the_tree(tmp_path):
+    tree = make_tree(tmp_path, entry_points=("pretrain_gpt.py", "pretrain_bert.py"))
+    assert [f.name for f in registry.select(tree, None)] == ["gpt", "bert"]
+    assert [f.name for f in registry.select(tree, "bert, gpt,bert")] == ["bert", "gpt"]
+    with pytest.raises(MegaportError, match=r"unknown model family 'bret'; known: gpt, bert"):
+        registry.select(tree, "gpt,bret")
+    with pytest.raises(MegaportError) as error:
+        registry.select(tree, "t5")
+    assert "has no t5" in str(error.value) and "\n" not in str(error.value) and error.value.exit_code == 2
+
+
+def test_a_family_reads_the_newest_script_the_tree_has_else_its_fallback(tmp_path):
+    bert = registry.get("bert")
+    old = make_tree(tmp_path / "old", entry_points=("pretrain_bert.py",))
+    tokens, source = bert.flags(old)
+    assert source.startswith("examples/pretrain_bert.sh as of") and example.flag_value(tokens, "--num-layers") == "24"
+    new = make_tree(tmp_path / "new", entry_points=("pretrain_bert.py",),
+                    scripts={"examples/bert/train_bert_340m_distributed.sh": BERT_2024,
+                             "examples/pretrain_bert.sh": "python pretrain_bert.py --num-layers 3\n"})
+    tokens, source = bert.flags(new)
+    assert source == "examples/bert/train_bert_340m_distributed.sh of the tree"
+    assert tokens == ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length",
+                      "512", "--max-position-embeddings", "512", "--micro-batch-size", "4", "--fp16", "--lr", "0.0001"]
+
+
+def test_t5s_quoted_multi_line_arguments_are_read_to_their_end(tmp_path):
+    tree = make_tree(tmp_path, entry_points=("pretrain_t5.py",), scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})
+    tokens, _ = registry.get("t5").flags(tree)
+    assert example.flag_value(tokens, "--attention-backend") == "auto"
+    assert example.flag_value(tokens, "--tokenizer-type") == "BertWordPieceCase"
+    # GPT's reader stays as it was: the last line of such a string is not read
+    assert "--attention-backend" not in example.script_flags(T5_2024)
+
+
+def test_t5_runs_with_its_own_size_flags_and_wordpiece_data(tmp_path):
+    tree = make_tree(tmp_path / "tree", entry_points=("pretrain_t5.py",),
+                     parser="add('--encoder-num-layers'); add('--decoder-num-layers'); add('--kv-channels'); "
+                            "add('--ffn-hidden-size'); add('--encoder-seq-length'); add('--decoder-seq-length'); "
+                            "add('--vocab-extra-ids'); add('--hidden-size'); add('--num-attention-heads'); "
+                            "add('--max-position-embeddings'); add('--bf16'); add('--data-path'); add('--tokenizer-type')",
+                     scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})
+    sizes = example.Sizes(layers=2, hidden=64, heads=4, seq=64, steps=5)
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = pretrain.command(pretrain.Run(tree=tree, sizes=sizes, family="t5"), str(work)).argv
+    entry = argv.index("pretrain_t5.py")
+    flags = argv[entry + 1:]
+    value = lambda flag: flags[flags.index(flag) + 1]  # noqa: E731
+    assert (value("--encoder-num-layers"), value("--decoder-num-layers"), value("--kv-channels"),
+            value("--ffn-hidden-size"), value("--encoder-seq-length"), value("--decoder-seq-length")) == \
+        ("2", "2", "16", "256", "64", "32")
+    assert value("--tokenizer-type") == "BertWordPieceCase"  # the script's, kept
+    assert Path(value("--vocab-file")).read_text().splitlines()[:5] == list(wordpiece.SPECIALS)
+    assert "--attention-backend" not in flags  # this parser lacks it: left out, and said
+    notes = pretrain.command(pretrain.Run(tree=tree, sizes=sizes, family="t5"), str(work)).notes
+    assert any(n.startswith("--attention-backend left out") for n in notes)
+
+
+def test_gpt_commands_are_unchanged_by_families(tmp_path):
+    """GPT's run is the Run default: the same argv and notes whether or not the family is named."""
+    from test_train import COMMAND_LINE
+
+    tree = make_tree(tmp_path / "tree", parser="group.add_argument('--data-path', nargs='*')\n",
+                     scripts={"examples/pretrain_gpt.sh": COMMAND_LINE})
+    run = pretrain.Run(tree=tree, sizes=example.Sizes(steps=4, seq=32, batch=2))
+    a = pretrain.command(run, str(tmp_path), port=1)
+    b = pretrain.command(dataclasses.replace(run, family="gpt"), str(tmp_path), port=1)
+    assert a.argv == b.argv and a.notes == b.notes and a.argv[a.argv.index("--cpu") + 1] == "pretrain_gpt.py"
+    assert a.notes[0] == "flags of examples/pretrain_gpt.sh of the tree, changed in size, iterations and data only"
+    assert "--DDP-impl" in a.argv  # GPT keeps flags its parser's text does not name, as before
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "deepseek"])
+def test_decoder_families_shrink_every_size_they_carry(tmp_path, name):
+    tree = make_tree(tmp_path / "tree", parser=PARSER + "add('--moe-ffn-hidden-size'); add('--kv-lora-rank')")
+    family = registry.get(name)
+    sizes = example.Sizes()
+    tokens, _ = family.flags(tree) if family.fallback else ([], "")
+    if not tokens:  # deepseek has no fallback: its flags come from the tree's conf file only
+        tokens = ["--num-layers", "27", "--hidden-size", "2048", "--ffn-hidden-size", "10944", "--num-experts", "64",
+                  "--moe-ffn-hidden-size", "1408", "--kv-lora-rank", "512", "--moe-layer-freq", "([0]+[1]*26)"]
+    flags = example.shrunk(tokens, sizes, data=[], tree=tree, more_sizes=family.size_flags(sizes))
+    big = [(f, v) for f, v in example.group_flags(flags) if v and v[0].isdigit() and int(float(v[0])) > 1000
+           and f not in ("--rotary-base",)]
+    assert not big, big
+    if name == "deepseek":
+        assert example.flag_value(flags, "--moe-layer-freq") == "[0]+[1]*1"
+
+
+def test_wordpiece_documents_are_sentences_with_document_boundaries(tmp_path):
+    docs = wordpiece.sentence_documents(5, wordpiece.WORDS, seed=1)
+    assert all(4 <= len(doc) <= 8 for doc in docs)
+    ids = [t for doc in docs for s in doc for t in s]
+    assert min(ids) >= len(wordpiece.SPECIALS) and max(ids) < len(wordpiece.SPECIALS) + wordpiece.WORDS
+    prefix = str(tmp_path / "d")
+    from megaport.train.data import write_indexed_dataset
+
+    write_indexed_dataset(prefix, docs, sentences=True)
+    raw = Path(prefix + ".idx").read_bytes()
+    sequences, boundaries = struct.unpack_from("<QQ", raw, 18)
+    assert sequences == sum(len(d) for d in docs) and boundaries == len(docs) + 1
+    offset = 34 + 4 * sequences + 8 * sequences
+    assert list(struct.unpack_from(f"<{boundaries}q", raw, offset))[-1] == sequences
+
+
+LLAMA3 = """#!/bin/bash
+DTYPE="fp8"
+MODEL_ARGS=(
+    --num-layers $NUM_LAYERS
+    --hidden-size 4096
+    --apply-layernorm-1p
+)
+TRAINING_ARGS=(
+    --train-samples 1953125000
+    --profile
+    --bf16
+)
+DTYPE_ARGS=()
+if [[ "$DTYPE" == "fp8" ]]; then
+    DTYPE_ARGS+=(
+        "--fp8-format hybrid"
+        "--fp8-param-gather"
+    )
+fi
+torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]}
+"""
+
+
+def test_llama3_keeps_its_script_but_the_sample_schedule_and_profiling(tmp_path):
+    tree = make_tree(tmp_path / "tree", parser=PARSER + "add('--apply-layernorm-1p'); add('--fp8-format'); "
+                     "add('--fp8-param-gather'); add('--hidden-size'); add('--bf16'); add('--train-iters'); "
+                     "add('--num-layers'); add('--seq-length'); add('--max-position-embeddings'); "
+                     "add('--micro-batch-size'); add('--lr-decay-iters')",
+                     scripts={"examples/llama/train_llama3_8b_h100_fp8.sh": LLAMA3})
+    family = registry.get("llama3")
+    tokens, source = family.flags(tree)
+    assert tokens[tokens.index("--fp8-format") + 1] == "hybrid"  # a quoted "--flag value" is both
+    notes: list = []
+    from megaport.train.pretrain import _family_flags
+
+    kept = _family_flags(family, tokens, tree, notes)
+    assert "--apply-layernorm-1p" in kept and "--fp8-param-gather" in kept and "--bf16" in kept
+    assert "--train-samples" not in kept and "--profile" not in kept
+    assert example.flag_value(kept, "--train-iters") == "1"  # added, then shrunk to the run's
+    assert any(n.startswith("--train-samples left out (a sample-based schedule") for n in notes)
+    assert any(n.startswith("--num-layers") and "added" in n for n in notes)
+
+
+def test_t5_gives_the_decoder_depth_where_the_parser_takes_it_apart(tmp_path):
+    from megaport.train.pretrain import _family_flags
+
+    t5 = registry.get("t5")
+    tokens = ["--num-layers", "12", "--hidden-size", "768"]
+    apart = make_tree(tmp_path / "apart", entry_points=("pretrain_t5.py",),
+                      parser="add('--num-layers'); add('--hidden-size'); add('--decoder-num-layers')")
+    notes: list = []
+    flags = example.shrunk(_family_flags(t5, tokens, apart, notes), example.Sizes(layers=2), data=[], tree=apart,
+                           more_sizes=t5.size_flags(example.Sizes(layers=2)))
+    assert example.flag_value(flags, "--decoder-num-layers") == "2" and "added" in notes[0]
+    together = make_tree(tmp_path / "together", entry_points=("pretrain_t5.py",),
+                         parser="add('--num-layers'); add('--hidden-size')")
+    notes = []
+    assert "--decoder-num-layers" not in _family_flags(t5, tokens, together, notes) and notes == []
