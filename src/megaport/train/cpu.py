@@ -13,7 +13,8 @@ What is substituted (:data:`SUBSTITUTIONS`, printed once at start as ``> megapor
 
 - process group: ``nccl`` becomes ``gloo``; NCCL-only group options are dropped;
 - device queries: the tree's code sees one device (torch's own code still sees none), ``set_device`` is a no-op,
-  ``current_device()`` answers ``'cpu'``, its name is 'CPU', its capability (0, 0) (no architecture features),
+  ``current_device()`` answers ``'cpu'``, its name is 'CPU', its capability MI300X's (9, 4) (upstream's
+  capability checks, e.g. ``--moe-grouped-gemm``'s, pass as on the ROCm GPU),
   its memory the host's;
 - device placement: ``device='cuda'``/index arguments, ``.cuda()`` and ``.to('cuda')`` stay on
   the CPU, in the backward of upstream's autograd functions too (autograd runs those without the
@@ -40,7 +41,7 @@ import time
 SUBSTITUTIONS = (
     "process group: backend nccl -> gloo, NCCL-only group options dropped",
     "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; current_device() -> 'cpu'; "
-    "name 'CPU', capability (0, 0), the host's memory",
+    "name 'CPU', capability (9, 4) (MI300X's, so upstream's capability checks pass as there), the host's memory",
     "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU "
     "(in autograd functions' backward too)",
     "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
@@ -48,6 +49,8 @@ SUBSTITUTIONS = (
     "torch.histc of integers (CUDA-only): counted on a float copy, counts in the input's dtype",
 )
 MARK = "> megaport cpu:"
+#: What torch.cuda.get_device_capability() answers on ROCm's MI300X (gfx942).
+TARGET_CAPABILITY = (9, 4)
 LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
            "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
 
@@ -146,7 +149,8 @@ def _host_properties():
     import types
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return types.SimpleNamespace(name="CPU", major=0, minor=0, total_memory=memory,
+    major, minor = TARGET_CAPABILITY
+    return types.SimpleNamespace(name="CPU", major=major, minor=minor, total_memory=memory,
                                  multi_processor_count=os.cpu_count() or 1, gcnArchName="")
 
 
@@ -183,8 +187,10 @@ def _device_queries(torch) -> None:
     cuda.is_available = _to_the_tree(cuda.is_available, lambda: True)
     cuda.device_count = _to_the_tree(cuda.device_count, lambda: 1)
     cuda.get_device_name = _to_the_tree(cuda.get_device_name, lambda device=None: "CPU")
-    # No architecture features: code that picks kernels by compute capability takes its plainest path.
-    cuda.get_device_capability = _to_the_tree(cuda.get_device_capability, lambda device=None: (0, 0))
+    # The capability ROCm's torch reports for the GPUs the port targets (MI300X: gfx942, (9, 4)), so
+    # upstream's capability checks pass as they do there (--moe-grouped-gemm asserts >= 8); no TE or
+    # vendor kernel is there to be picked by it.
+    cuda.get_device_capability = _to_the_tree(cuda.get_device_capability, lambda device=None: TARGET_CAPABILITY)
     cuda.get_device_properties = _to_the_tree(cuda.get_device_properties, lambda device=None: _host_properties())
     cuda.set_device = lambda device: None
     cuda.current_device = lambda: "cpu"
