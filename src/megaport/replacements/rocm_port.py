@@ -313,7 +313,20 @@ _GPT_SPECS_MODULE = "megatron.core.models.gpt.gpt_layer_specs"
 _TE_SPEC_PAIRS = (("get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_local_submodules"),
                   ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec"),
                   ("gpt_layer_with_transformer_engine_spec", "gpt_layer_local_spec"),
-                  ("gpt_layer_with_transformer_engine_spec_moe", "gpt_layer_local_spec_moe"))
+                  ("gpt_layer_with_transformer_engine_spec_moe", "gpt_layer_local_spec_moe"),
+                  # BERT's (pretrain_bert.py takes the TE spec unless --spec local) and T5's
+                  ("get_bert_layer_with_transformer_engine_spec", "bert_layer_local_spec"),
+                  ("bert_layer_with_transformer_engine_spec", "bert_layer_local_spec"),
+                  ("get_t5_encoder_with_transformer_engine_block_spec", "get_t5_encoder_with_local_block_spec"),
+                  ("get_t5_decoder_with_transformer_engine_block_spec", "get_t5_decoder_with_local_block_spec"),
+                  ("encoder_model_with_transformer_engine_default_spec", "encoder_model_with_local_spec"),
+                  ("decoder_model_with_transformer_engine_default_spec", "decoder_model_with_local_spec"))
+#: The spec modules whose TE specs the port serves with the local ones.
+_SPEC_MODULES = (_GPT_SPECS_MODULE, "megatron.core.models.bert.bert_layer_specs", "megatron.core.models.T5.t5_spec")
+#: TE layer classes that spec modules name at module level after a guarded import (BERT's spec in
+#: core 0.8 to 0.15): declared before the module runs, as the stand-ins that raise if built.
+_TE_LAYER_NAMES = ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear",
+                   "TEColumnParallelLinear")
 
 
 def _serve_te_layer_specs(module) -> None:
@@ -321,15 +334,24 @@ def _serve_te_layer_specs(module) -> None:
     ``--transformer-impl transformer_engine`` (and, in 2023-2024, ``--use-mcore-models``, which
     takes the TE spec whatever --transformer-impl says) then builds the same model in PyTorch."""
     for te_name, local_name in _TE_SPEC_PAIRS:
-        te, local = getattr(module, te_name, None), getattr(module, local_name, None)
+        te = module.__dict__.get(te_name)  # not through a module __getattr__ (core 0.16's BERT builds it)
+        local = getattr(module, local_name, None)
         if te is None or local is None:
             continue
         if callable(te) and not isinstance(te, type):
-            setattr(module, te_name, local_spec_without_transformer_engine(te, local))
+            builder = local if callable(local) else (lambda _spec=local: _spec)
+            setattr(module, te_name, local_spec_without_transformer_engine(te, builder))
         else:
             setattr(module, te_name, local)
-            say_once("TransformerEngine is not installed: the TransformerEngine GPT layer spec builds "
-                     "Megatron's local PyTorch layers instead (the same model)")
+            say_once(f"TransformerEngine is not installed: {te_name} builds Megatron's local PyTorch layers "
+                     "instead (the same model)")
+
+
+def _te_layer_names_declared(module) -> None:
+    """Before a spec module runs: TE layer names it uses at module level exist (as stand-ins that
+    raise if built), so its TE spec is defined and then served with the local one."""
+    for name in _TE_LAYER_NAMES:
+        module.__dict__.setdefault(name, _te_layers_attribute(name))
 
 
 def _ignore_persist_layer_norm(module) -> None:
@@ -801,6 +823,8 @@ _AFTER_IMPORT_WITHOUT_TE = {
     **{name: _te_helpers_none for name in _TE_NONE_NAMES},
     # the TE-norm users that need more, each entry replacing its line above
     _GPT_SPECS_MODULE: (_te_norm_is_the_port_norm, _serve_te_layer_specs),
+    "megatron.core.models.bert.bert_layer_specs": _serve_te_layer_specs,
+    "megatron.core.models.T5.t5_spec": _serve_te_layer_specs,
     "megatron.core.models.backends": (_te_norm_is_the_port_norm, _say_grouped_gemm_runs_sequential,
                                        _te_backend_is_local),
     "megatron.core.transformer.multi_latent_attention": (_te_norm_is_the_port_norm, _mla_has_no_te,
@@ -1874,6 +1898,11 @@ def _steps(entry) -> tuple:
     return () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
+# What a module needs declared before upstream's own code in it runs, without TransformerEngine.
+_BEFORE_IMPORT_WITHOUT_TE = {
+    "megatron.core.models.bert.bert_layer_specs": _te_layer_names_declared,
+}
+
 #: The after-import tables, grouped by what they serve; the first three whatever is installed.
 AFTER_IMPORT_TABLES = (
     ("today's torch and NumPy", _AFTER_IMPORT_TARGET_STACK),
@@ -1893,13 +1922,20 @@ def after_import_steps(fullname: str) -> tuple:
     return steps
 
 
+def before_import_steps(fullname: str) -> tuple:
+    """What runs in ``fullname``'s namespace before upstream's code in it (TransformerEngine absent)."""
+    if fullname in _BEFORE_IMPORT_WITHOUT_TE and not _transformer_engine_installed():
+        return _steps(_BEFORE_IMPORT_WITHOUT_TE[fullname])
+    return ()
+
+
 class _ServeAfterImport(importlib.abc.MetaPathFinder):
-    """Runs the after-import steps of a module (:func:`after_import_steps`) once upstream's own code
-    has loaded it: one mechanism for every era, whatever shape the file has."""
+    """Runs the steps of a module (:func:`before_import_steps`, :func:`after_import_steps`) around
+    upstream's own code in it: one mechanism for every era, whatever shape the file has."""
 
     def find_spec(self, fullname, path=None, target=None):
-        steps = after_import_steps(fullname)
-        if not steps:
+        before, after = before_import_steps(fullname), after_import_steps(fullname)
+        if not before and not after:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -1907,8 +1943,10 @@ class _ServeAfterImport(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
 
         def exec_module(module):
+            for step in before:
+                step(module)
             run(module)
-            for step in steps:
+            for step in after:
                 step(module)
 
         spec.loader.exec_module = exec_module
