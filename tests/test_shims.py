@@ -44,7 +44,7 @@ def _fake_upstream(root: Path, files: dict) -> Path:
 
 
 def test_every_shim_is_a_module_with_its_description_and_pattern():
-    assert len(registry.REGISTRY) == 14
+    assert len(registry.REGISTRY) == 15
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -150,6 +150,22 @@ def test_the_kernel_build_is_answered_by_the_file_that_failed(tmp_path):
     found = _failure_of("from megatron.fused_kernels import load\nload(None)", tree)
     assert found.exception == "TypeError"
     assert registry.pick([found], []) == "fused-kernel-build"
+
+
+def test_berts_te_spec_built_at_import_is_answered_by_the_spec_module_that_raised(tmp_path):
+    tree = _fake_upstream(tmp_path, {"bert_pkg/__init__.py": "", "bert_pkg/bert_layer_specs.py": """
+        bert_layer_local_spec = "local"
+        def get_bert_layer_with_transformer_engine_spec():
+            raise ImportError("Transformer Engine is not installed. Please use local Bert layer spec instead.")
+        def __getattr__(name):
+            if name == "bert_layer_with_transformer_engine_spec":
+                return get_bert_layer_with_transformer_engine_spec()
+            raise AttributeError(name)
+        """})
+    found = _failure_of("from bert_pkg.bert_layer_specs import bert_layer_with_transformer_engine_spec", tree)
+    assert registry.pick([found], []) == "bert-te-spec"
+    elsewhere = _failure_of("raise ImportError('Please use local Bert layer spec instead.')")
+    assert registry.pick([elsewhere], []) is None  # the same words raised outside the spec module
 
 
 def test_a_failure_raised_from_another_is_matched_through_its_chain():

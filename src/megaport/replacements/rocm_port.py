@@ -338,13 +338,35 @@ def _serve_te_layer_specs(module) -> None:
         local = getattr(module, local_name, None)
         if te is None or local is None:
             continue
-        if callable(te) and not isinstance(te, type):
-            builder = local if callable(local) else (lambda _spec=local: _spec)
+        if inspect.isroutine(te):  # a spec builder (a ModuleSpec is callable too: it builds its module)
+            builder = local if inspect.isroutine(local) else (lambda _spec=local: _spec)
             setattr(module, te_name, local_spec_without_transformer_engine(te, builder))
         else:
             setattr(module, te_name, local)
             say_once(f"TransformerEngine is not installed: {te_name} builds Megatron's local PyTorch layers "
                      "instead (the same model)")
+
+
+def _t5_masks_for_local_layers(module) -> None:
+    """From 2024-11 pretrain_t5.py shapes its attention masks by ``--transformer-impl``: TE's
+    layers take [b, 1, 1, s] padding masks, the local ones [b, 1, sq, sk]. Without TE the port builds
+    the local layers for the TE spec, so the masks are the local layers' too."""
+    cls = getattr(module, "T5MaskedWordPieceDataset", None)
+    original = getattr(cls, "config_attention_mask", None)
+    if original is None or getattr(original, "_rocm_port_local", False):
+        return
+    signature = inspect.signature(original)
+    if "use_local" not in signature.parameters:
+        return
+
+    @functools.wraps(original)
+    def config_attention_mask(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["use_local"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    config_attention_mask._rocm_port_local = True
+    cls.config_attention_mask = staticmethod(config_attention_mask)
 
 
 def _te_layer_names_declared(module) -> None:
@@ -825,6 +847,7 @@ _AFTER_IMPORT_WITHOUT_TE = {
     _GPT_SPECS_MODULE: (_te_norm_is_the_port_norm, _serve_te_layer_specs),
     "megatron.core.models.bert.bert_layer_specs": _serve_te_layer_specs,
     "megatron.core.models.T5.t5_spec": _serve_te_layer_specs,
+    "megatron.core.datasets.t5_dataset": _t5_masks_for_local_layers,
     "megatron.core.models.backends": (_te_norm_is_the_port_norm, _say_grouped_gemm_runs_sequential,
                                        _te_backend_is_local),
     "megatron.core.transformer.multi_latent_attention": (_te_norm_is_the_port_norm, _mla_has_no_te,

@@ -107,6 +107,12 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
                                     example.SHORT_RUN_SENTENCES, tokenizer)
         described = f"a tiny indexed dataset of multi-sentence documents and a WordPiece vocabulary ({tokenizer}) " \
                     "written for the run"
+        if example.parser_has(run.tree, "--legacy-tokenizer"):
+            # core 0.14 on: the new tokenizer system takes BertWordPiece* from the Hugging Face hub
+            # (bert-large-cased), a download; the legacy one reads the run's vocabulary file
+            data += ["--legacy-tokenizer"]
+            notes.append("--legacy-tokenizer (the run's WordPiece vocabulary file; the new tokenizer system would "
+                         "download bert-large-cased from the Hugging Face hub)")
     elif (core_data if run.data is None else run.data == "mock"):
         data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
     else:
@@ -118,6 +124,10 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
                            more_sizes=family.size_flags(run.sizes)) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
         flags += example.fusions_off_flags(run.tree)
+        for added, why in family.fusions_off:
+            if example.parser_has(run.tree, added[0]):
+                flags += list(added)
+                notes.append(f"{' '.join(added)} ({why})")
     if run.dropout is not None:
         flags += ["--hidden-dropout", str(run.dropout), "--attention-dropout", str(run.dropout)]
         notes.append(f"dropout {run.dropout} (for loss parity)")
@@ -132,7 +142,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
-    for name, (value, why) in family.environment.items():
+    for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
@@ -210,7 +220,7 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
         from megaport.train.families import registry
 
         run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
-                   **{k: v for k, (v, _) in registry.get(run.family).environment.items()}}
+                   **{k: v for k, (v, _) in registry.get(run.family).environment_for(run.tree).items()}}
         proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
         died_of, port_code = failure.read(failures), audit.read(audits)
@@ -277,9 +287,9 @@ def main(argv=None) -> int:
         workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
         os.makedirs(workdir, exist_ok=True)
         cmd = command(run, workdir, port=29500)
-        env = {**environment(run.tree, {}), **{k: v for k, (v, _) in family.environment.items()}}
+        env = {**environment(run.tree, {}), **{k: v for k, (v, _) in family.environment_for(run.tree).items()}}
         print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed_fork.ACCELERATOR_ENV,
-                                             *family.environment) if k in env}))
+                                             *family.environment_for(run.tree)) if k in env}))
         return 0
     print(json.dumps(run_pretrain(run)))
     return 0

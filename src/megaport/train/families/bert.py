@@ -10,6 +10,15 @@ import os
 from megaport.train import example
 from megaport.train.families.spec import Family
 
+_BERT_MODEL = "megatron/core/models/bert/bert_model.py"
+
+
+def _bert_model_asks_for_nvte(tree: str) -> bool:
+    """Whether the tree's megatron.core BertModel reads NVTE_FLASH_ATTN (core 0.6 to 0.9)."""
+    path = os.path.join(tree, _BERT_MODEL)
+    return os.path.isfile(path) and "NVTE_FLASH_ATTN" in open(path, encoding="utf-8").read()
+
+
 FAMILY = Family(
     name="bert",
     entry_point="pretrain_bert.py",
@@ -24,7 +33,13 @@ FAMILY = Family(
     present=lambda tree: os.path.isfile(os.path.join(tree, "pretrain_bert.py")),
     sizes=example.Sizes(),
     data="wordpiece",
-    # megatron.core's BertModel (core 0.6 on) asserts one of these is 0 and says to set it
+    # pretrain_bert.py takes its layer spec from --spec, not --transformer-impl: without TE, unported
+    # upstream refuses its default TE spec and says to use the local one
+    fusions_off=((("--spec", "local"), "pretrain_bert.py's local layer spec: unported upstream refuses its TE "
+                                      "spec without TransformerEngine and says to use this"),),
+    # megatron.core's BertModel (core 0.6 to 0.9) asserts one of these is 0 and says to set it; from
+    # --attention-backend on (2024-11) the parser refuses it instead
+    environment_needed=_bert_model_asks_for_nvte,
     environment={"NVTE_FLASH_ATTN": ("0", "megatron.core's BertModel (core 0.6 on; older BERTs ignore it) refuses to start "
                                           "without it: 'Bert currently "
                                           "does not support flash attention. Please set env variable "

@@ -49,8 +49,13 @@ class Family:
     dropped: dict = field(default_factory=dict)
     #: flags added after the script's, each group with why: ((flags...), why), ...
     added: tuple = ()
-    #: environment variables both sides run with, each with why: {name: (value, why)}
+    #: environment variables both sides run with, each with why: {name: (value, why)}; only in the
+    #: trees ``environment_needed`` says ask for them
     environment: dict = field(default_factory=dict)
+    environment_needed: Callable[[str], bool] = _always
+    #: what a ROCm user adds to run the family at all without TE, beside the fusions-off flags
+    #: (those the era's parser has): ((flags...), why)
+    fusions_off: tuple = ()
     #: baseline shims the unported side starts with (beyond those a failure asks for)
     baseline_shims: tuple = ()
     #: whether flags the era's parser lacks are left out (and said in the notes) and multi-line
@@ -68,6 +73,10 @@ class Family:
                     return (example.script_flags(f.read(), quoted_strings=self.drop_unknown_flags),
                             f"{rel} of the tree")
         return list(self.fallback), self.fallback_source
+
+    def environment_for(self, tree: str) -> dict:
+        """:attr:`environment` where the tree asks for it, else nothing: {name: (value, why)}."""
+        return dict(self.environment) if self.environment and self.environment_needed(tree) else {}
 
     def has_entry_point(self, tree: str) -> bool:
         return os.path.isfile(os.path.join(tree, self.entry_point))
