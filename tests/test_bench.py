@@ -65,8 +65,10 @@ def test_bench_measures_both_paths_on_cpu(tmp_path, core_upstream):
         assert row["replacement_peak_mib"] is not None and row["upstream_torch_peak_mib"] is not None
         # Bandwidth against a plain copy of the input, and extra memory per input byte.
         assert row["copy_gbps"] > 0 and row["input_mib"] > 0
-        assert row["replacement_bandwidth_vs_copy"] == pytest.approx(  # rounded to 3 decimals
-            row["replacement_gbps"] / row["copy_gbps"], rel=1e-2, abs=1e-3)
+        # the ratio is rounded to 3 decimals and each GB/s to 2, which on a loaded machine (0.01 GB/s)
+        # is most of the value: compare within what the rounding can move it
+        assert row["replacement_bandwidth_vs_copy"] == pytest.approx(
+            row["replacement_gbps"] / row["copy_gbps"], rel=1e-2, abs=1e-3 + 0.005 / row["copy_gbps"])
         assert row["replacement_extra_memory_x_input"] == pytest.approx(
             row["replacement_peak_mib"] / row["input_mib"], rel=2e-2)
     assert "RSS" in document["memory_method"]
