@@ -1475,8 +1475,10 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
     key_name = (query.device.type, query.dtype, key.shape[2] != query.shape[2], causal, dropout > 0)
     if key_name not in _SDPA_SAID:
         _SDPA_SAID.add(key_name)
-        q = query.permute(1, 2, 0, 3)
-        chosen = sdpa_backend(q, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), None, dropout, causal, scale,
+        q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
+        # asked with the call's own head dims (a V narrower or wider than Q/K is padded to theirs) and mask
+        v = value.permute(1, 2, 0, 3) if value.shape[-1] == key.shape[-1] else k
+        chosen = sdpa_backend(q, k, v, None if causal else attention_mask, dropout, causal, scale,
                               key.shape[2] != query.shape[2])
         say_once(f"core attention: torch scaled_dot_product_attention ({chosen} backend on {query.device.type}, "
                  f"{str(query.dtype).replace('torch.', '')}, {'causal' if causal else 'padding'} mask) in place of "
