@@ -411,7 +411,7 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, a
 
         given = dict(seq=seq, batch=batch, hidden=hidden, heads=heads, groups=groups, layers=layers)
         return bench_fusions(FusionBenchOptions(device=device, dtype=dtypes.split(",")[0].strip(),
-                                                repeats=min(repeats, 15), json_file=json_file,
+                                                repeats=repeats, json_file=json_file,
                                                 **{k: v for k, v in given.items() if v is not None}),
                              _console(json_file))
     if attention:

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megaport.commands.bench import _load as bench_load
 from megaport.errors import MegaportError
 
 VARIANTS = ("sdpa", "port_softmax", "upstream_unfused")
@@ -70,14 +71,13 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 # --- the worker, in the tree's process ----------------------------------------------------------
 
 def _port_module():
-    for name in ("megatron.core.rocm_port", "megatron.rocm_port"):
-        try:
-            module = __import__(name, fromlist=["_"])
-        except ImportError:
-            continue
-        if hasattr(module, "sdpa_core_attention"):
-            return module
-    raise SystemExit("this tree's port has no sdpa_core_attention: re-apply it with this megaport")
+    from megaport.smoke import _tree
+
+    module, why = _tree.import_first(_tree.ROCM_PORT_MODULES)
+    if module is None or not hasattr(module, "sdpa_core_attention"):
+        raise SystemExit(f"this tree's port has no sdpa_core_attention ({why or 'an older port'}): re-apply it "
+                         "with this megaport")
+    return module
 
 
 def _variants(args, torch):
@@ -242,7 +242,7 @@ def bench_attention(options: AttentionBenchOptions, console) -> int:
     document = {"tree": str(tree), "series": state.series, "upstream": {"ref": state.upstream_ref,
                 "sha": state.upstream_sha}, "device": {**info, "device": kind}, "head_dim": options.head_dim,
                 "groups": options.groups, "mask": options.mask, "repeats": options.repeats,
-                "load_average": _load(), "variants": {
+                "load_average": {"load": bench_load(), "cpus": os.cpu_count()}, "variants": {
                     "sdpa": "rocm_port.sdpa_core_attention: one scaled_dot_product_attention call",
                     "port_softmax": "baddbmm + FusedScaleMaskSoftmax.forward_fused_softmax (the port's kernel-exact "
                                     "softmax) + bmm",
@@ -264,13 +264,6 @@ def _line(row: dict) -> str:
             f"{peak('port_softmax')} | upstream unfused {row['upstream_unfused_ms']:.2f} ms "
             f"{peak('upstream_unfused')} | sdpa/unfused {row['sdpa_vs_unfused']:.2f}x{memory}, "
             f"port softmax/unfused {row['port_softmax_vs_unfused']:.2f}x")
-
-
-def _load():
-    try:
-        return {"load_average": [round(v, 2) for v in os.getloadavg()], "cpus": os.cpu_count()}
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

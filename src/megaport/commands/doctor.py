@@ -216,7 +216,26 @@ def check_cuda_toolkit(m: Machine) -> list[Finding]:
 
 
 def check_attention(m: Machine) -> list[Finding]:
-    return attention_findings(m.info, m.environ)
+    """Whether the port's core attention gets a fused SDPA kernel on this GPU: on RDNA3, PyTorch's
+    AOTriton kernels are experimental and off unless TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 (PyTorch
+    ROCm notes), and SDPA then falls back to its math path silently; elsewhere the probe says."""
+    findings = []
+    rdna3 = sorted({a for a in _archs(m.info) if a in devices.AOTRITON_EXPERIMENTAL_ARCHS})
+    if m.info.get("build") == "rocm" and rdna3 and m.environ.get(devices.AOTRITON_EXPERIMENTAL_ENV) != "1":
+        findings.append(Finding(
+            "warning", "aotriton-experimental-off",
+            f"{', '.join(rdna3)} (RDNA3): PyTorch's AOTriton flash attention is experimental there and off, so the "
+            "port's core attention (scaled_dot_product_attention) runs SDPA's math path, no faster than unfused",
+            f"export {devices.AOTRITON_EXPERIMENTAL_ENV}=1"))
+    gpu = (m.info.get("attention") or {}).get("gpu")
+    if gpu and not gpu.get("flash") and not gpu.get("efficient") and not findings:
+        findings.append(Finding(
+            "warning", "sdpa-math-only",
+            f"scaled_dot_product_attention has no flash or memory-efficient kernel for this GPU "
+            f"({gpu.get('flash_error', 'unknown reason')}): the port's core attention runs SDPA's math path",
+            "use a torch build with AOTriton for your GPU (PyTorch >= 2.3 on MI200/MI300), or keep the port's "
+            "softmax path with MEGATRON_ROCM_PORT_SDPA=0"))
+    return findings
 
 
 def check_pytest(m: Machine) -> list[Finding]:
@@ -245,29 +264,6 @@ def diagnose(info: dict, environ: dict, *, pytest_available: bool = True) -> lis
     hardware each rule is about)."""
     machine = Machine(info, environ, pytest_available)
     return [finding for _, check in CHECKS for finding in check(machine)]
-
-
-def attention_findings(info: dict, environ: dict) -> list[Finding]:
-    """Whether the port's core attention gets a fused SDPA kernel on this GPU: on RDNA3, PyTorch's
-    AOTriton kernels are experimental and off unless TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 (PyTorch
-    ROCm notes), and SDPA then falls back to its math path silently; elsewhere the probe says."""
-    findings = []
-    rdna3 = sorted({a for a in _archs(info) if a in devices.AOTRITON_EXPERIMENTAL_ARCHS})
-    if info.get("build") == "rocm" and rdna3 and environ.get(devices.AOTRITON_EXPERIMENTAL_ENV) != "1":
-        findings.append(Finding(
-            "warning", "aotriton-experimental-off",
-            f"{', '.join(rdna3)} (RDNA3): PyTorch's AOTriton flash attention is experimental there and off, so the "
-            "port's core attention (scaled_dot_product_attention) runs SDPA's math path, no faster than unfused",
-            f"export {devices.AOTRITON_EXPERIMENTAL_ENV}=1"))
-    gpu = (info.get("attention") or {}).get("gpu")
-    if gpu and not gpu.get("flash") and not gpu.get("efficient") and not findings:
-        findings.append(Finding(
-            "warning", "sdpa-math-only",
-            f"scaled_dot_product_attention has no flash or memory-efficient kernel for this GPU "
-            f"({gpu.get('flash_error', 'unknown reason')}): the port's core attention runs SDPA's math path",
-            "use a torch build with AOTriton for your GPU (PyTorch >= 2.3 on MI200/MI300), or keep the port's "
-            "softmax path with MEGATRON_ROCM_PORT_SDPA=0"))
-    return findings
 
 
 def deepspeed_row(status: dict | None) -> str:
