@@ -172,3 +172,19 @@ def test_bench_fusions_refuses_shapes_that_do_not_divide():
     with pytest.raises(MegaportError) as err:
         bench_fusions(FusionBenchOptions(hidden=100, heads=3), None)
     assert err.value.exit_code == 2
+
+
+def test_bench_train_sides_start_fp16_at_parity_loss_scale(monkeypatch, tmp_path):
+    """Both sides of bench --train start fp16's loss scale where no step overflows: at upstream's
+    2**32 a ten-step fp16 run (the 2021-2022 GPT examples) skips every step and logs no loss."""
+    from megaport.commands import bench_train
+    from megaport.train import baseline, parity, pretrain
+
+    seen = []
+    monkeypatch.setattr(pretrain, "run_pretrain", lambda run, env: seen.append(run) or {})
+    monkeypatch.setattr(baseline, "run_unported", lambda run, sha: (seen.append(run) or {}, []))
+    sizes = {"layers": 2, "hidden": 64, "heads": 4, "seq": 128, "batch": 2, "steps": 4, "warmup": 1}
+    for which in ("ported", "upstream"):
+        bench_train._pretrain_side(tmp_path, "0" * 40, which, {}, sizes, "cpu")
+    assert [run.mode for run in seen] == ["ported", "fusions-off"]
+    assert all(run.initial_loss_scale == parity.PARITY_LOSS_SCALE for run in seen)

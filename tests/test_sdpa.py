@@ -247,7 +247,7 @@ def test_dropout_runs_under_the_cores_rng_tracker(rp, routed, monkeypatch):
     module = sys.modules[routed.__module__]
     monkeypatch.setattr(module, "tensor_parallel", type("TP", (), {"get_cuda_rng_tracker": staticmethod(Tracker)}),
                         raising=False)
-    monkeypatch.setattr(rp, "sdpa_fused_dropout", lambda device: True)  # as on a GPU
+    monkeypatch.setattr(rp, "sdpa_takes_dropout", lambda device, dtype: True)  # as on a GPU
     core = routed(_Softmax(), dropout=0.5)
     q, k, v = inputs("mha", torch.float32)
     core.train()
@@ -299,6 +299,20 @@ def test_attention_dropout_on_the_cpu_keeps_the_softmax_path(rp, routed, capsys)
     core.eval()
     core(q, k, v, None)
     assert routed.calls == 1, "evaluation (no dropout) should run SDPA"
+
+
+def test_fp16_attention_dropout_on_the_cpu_runs_sdpa(rp, routed, capsys):
+    """fp16 has no fast GEMM on most CPUs: there SDPA's math kernel (fp32 inside) takes the
+    dropout, and it is applied (training differs from evaluation, evaluation is deterministic)."""
+    core = routed(_Softmax(fp16=True, bf16=False), dropout=0.5)
+    q, k, v = inputs("mha", torch.float16)
+    core.train()
+    trained = core(q, k, v, None)
+    assert routed.calls == 0, "fp16 attention dropout on the CPU kept the fp16-GEMM softmax path"
+    assert "attention dropout on the CPU" not in capsys.readouterr().out
+    core.eval()
+    assert torch.equal(core(q, k, v, None), core(q, k, v, None))
+    assert not torch.equal(trained, core(q, k, v, None)), "dropout 0.5 in training changed nothing"
 
 
 def test_te_attention_asked_for_runs_sdpa_even_with_the_softmax_fusion_off(rp, routed, monkeypatch, capsys):

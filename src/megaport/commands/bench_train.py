@@ -114,13 +114,16 @@ def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, dev
                    family: str = "gpt") -> dict:
     """One side through the family's entry point (the tree's pretrain_gpt.py for GPT): the ported
     tree with the example's flags, or the unported commit (exported next to it) with the fusions off."""
-    from megaport.train import baseline, example, pretrain
+    from megaport.train import baseline, example, parity, pretrain
     from megaport.train.families import registry
 
     entry = registry.get(family).entry_point
     shape = example.Sizes(**{k: v for k, v in sizes.items() if k not in ("warmup",)})
+    # fp16 examples: upstream's initial loss scale of 2**32 skips the first ~16 steps while it
+    # settles, so a short run would log no loss to compare; parity's scale overflows in neither
     run = pretrain.Run(tree=str(tree), mode="ported" if which == "ported" else "fusions-off", device=device,
-                       sizes=shape, warmup=sizes["warmup"], family=family)
+                       sizes=shape, warmup=sizes["warmup"], family=family,
+                       initial_loss_scale=parity.PARITY_LOSS_SCALE)
     if which == "ported":
         return {**pretrain.run_pretrain(run, env), "what": f"the ported tree's {entry}, the example's flags"}
     result, _ = baseline.run_unported(run, sha)

@@ -1401,12 +1401,15 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
 
 
-def sdpa_fused_dropout(device) -> bool:
-    """Whether SDPA's fused kernels take attention dropout on ``device``: GPUs' flash kernels do
-    (AOTriton on ROCm); the CPU's flash kernel does not, and with dropout SDPA's math kernel ran
-    slower than the port's softmax path (2 cores, bf16 [1, 8, 1024, 64] causal fwd+bwd at dropout
-    0.1: SDPA math 971 ms, upstream's unfused path 928 ms, the softmax path ~0.8x unfused)."""
-    return torch.device(device).type != "cpu"
+def sdpa_takes_dropout(device, dtype) -> bool:
+    """Whether SDPA should take attention dropout on ``device`` for ``dtype``. GPUs' flash kernels
+    take it (AOTriton on ROCm). The CPU's flash kernel does not, and SDPA's math kernel, which does,
+    computes in fp32: for bf16 and fp32 it ran slower than the port's softmax path (2 cores, bf16
+    [1, 8, 1024, 64] causal fwd+bwd at dropout 0.1: SDPA math 971 ms, upstream's unfused path
+    928 ms, the softmax path ~0.8x unfused), but fp16 has no fast GEMM on CPUs without AVX512-FP16,
+    where the softmax path's two fp16 batched GEMMs are the slow part (bmm [8, 2048, 64] x
+    [8, 64, 2048]: fp16 16.1 s, fp32 0.59 s; SDPA math fp16 [2, 4, 2048, 64] dropout 0.1: 1.8 s)."""
+    return torch.device(device).type != "cpu" or dtype == torch.float16
 
 
 def _kernel_exact_reason(core, config, extras: dict) -> str | None:
@@ -1466,9 +1469,9 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
     if not causal and attention_mask is not None and attention_mask.dtype != torch.bool:
         return None, "a float attention mask"
     dropout = core.attention_dropout.p if core.training else 0.0
-    if dropout > 0 and not sdpa_fused_dropout(query.device):
-        return None, ("attention dropout on the CPU (SDPA's CPU flash kernel has none, and its math kernel is "
-                      "slower than the softmax path)")
+    if dropout > 0 and not sdpa_takes_dropout(query.device, query.dtype):
+        return None, (f"attention dropout on the CPU in {str(query.dtype).replace('torch.', '')} (SDPA's CPU "
+                      "flash kernel has none, and its math kernel is slower than the softmax path)")
     scale = _core_attention_scale(core)
     kwargs = dict(scale=scale, causal=causal, mask=None if causal else attention_mask, dropout_p=dropout,
                   fully_masked_rows_are_zero=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)

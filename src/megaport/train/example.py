@@ -205,13 +205,15 @@ LEARNABLE_MOCK_VOCAB = 256
 _MOCK_DATASET = "megatron/core/datasets/gpt_dataset.py"
 
 
-def parity_learning_rate(tree: str, tokens: list | None = None) -> float | None:
-    """:data:`PARITY_LEARNING_RATE` where the example's learning rate (in ``tokens``, a family's
-    flags; GPT's example by default) is lower, else None (keep it)."""
+def parity_learning_rate(tree: str, tokens: list | None = None,
+                         rate: float = PARITY_LEARNING_RATE) -> float | None:
+    """``rate`` (:data:`PARITY_LEARNING_RATE` unless a family sets its own) where the example's
+    learning rate (in ``tokens``, a family's flags; GPT's example by default) is lower, else None
+    (keep it)."""
     if tokens is None:
         tokens, _ = example_flags(tree)
     given = flag_value(tokens, "--lr")
-    return PARITY_LEARNING_RATE if given is None or float(given) < PARITY_LEARNING_RATE else None
+    return rate if given is None or float(given) < rate else None
 
 
 def mock_data_is_learnable(tree: str) -> bool:

@@ -87,7 +87,7 @@ def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False, family: st
                   "for loss parity: upstream's fused path of this era drops the shared word embedding's input-side "
                   "gradient, its unfused path keeps it"),)
     return Run(tree=tree, mode=mode, device="cuda" if gpu else "cpu", sizes=sizes, extra=extra,
-               lr=example.parity_learning_rate(tree, spec.flags(tree)[0]), data=data,
+               lr=example.parity_learning_rate(tree, spec.flags(tree)[0], spec.parity_learning_rate), data=data,
                initial_loss_scale=PARITY_LOSS_SCALE, dropout=0.0, family=family)
 
 

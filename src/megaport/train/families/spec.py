@@ -56,6 +56,9 @@ class Family:
     #: what a ROCm user adds to run the family at all without TE, beside the fusions-off flags
     #: (those the era's parser has): ((flags...), why)
     fusions_off: tuple = ()
+    #: loss parity's learning rate where the family's example trains slower: one a hundred
+    #: iterations measurably learn at and stay stable at (a spiking run amplifies rounding apart)
+    parity_learning_rate: float = example.PARITY_LEARNING_RATE
     #: baseline shims the unported side starts with (beyond those a failure asks for)
     baseline_shims: tuple = ()
     #: whether flags the era's parser lacks are left out (and said in the notes) and multi-line
