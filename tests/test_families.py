@@ -197,7 +197,7 @@ def test_decoder_families_shrink_every_size_they_carry(tmp_path, name):
     if not tokens:  # deepseek has no fallback: its flags come from the tree's conf file only
         tokens = ["--num-layers", "27", "--hidden-size", "2048", "--ffn-hidden-size", "10944", "--num-experts", "64",
                   "--moe-ffn-hidden-size", "1408", "--kv-lora-rank", "512", "--moe-layer-freq", "([0]+[1]*26)"]
-    flags = example.shrunk(tokens, sizes, data=[], tree=tree, more_sizes=family.size_flags(sizes))
+    flags = example.shrunk(tokens, sizes, data=[], tree=tree, more_sizes=family.size_flags(sizes, tree))
     big = [(f, v) for f, v in example.group_flags(flags) if v and v[0].isdigit() and int(float(v[0])) > 1000
            and f not in ("--rotary-base",)]
     assert not big, big
@@ -273,7 +273,7 @@ def test_t5_gives_the_decoder_depth_where_the_parser_takes_it_apart(tmp_path):
                       parser="add('--num-layers'); add('--hidden-size'); add('--decoder-num-layers')")
     notes: list = []
     flags = example.shrunk(_family_flags(t5, tokens, apart, notes), example.Sizes(layers=2), data=[], tree=apart,
-                           more_sizes=t5.size_flags(example.Sizes(layers=2)))
+                           more_sizes=t5.size_flags(example.Sizes(layers=2), apart))
     assert example.flag_value(flags, "--decoder-num-layers") == "2" and "added" in notes[0]
     together = make_tree(tmp_path / "together", entry_points=("pretrain_t5.py",),
                          parser="add('--num-layers'); add('--hidden-size')")
@@ -290,3 +290,20 @@ def test_loss_parity_trains_t5_at_its_own_stable_rate(tmp_path):
                      scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})
     assert parity.parity_run(tree, family="t5").lr == 1e-3
     assert parity.parity_run(tree, family="gpt").lr == example.PARITY_LEARNING_RATE
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_query_groups_shrink_to_one_where_upstreams_legacy_gqa_view_refuses_more(tmp_path, name):
+    """Upstream's legacy transformer (2023-09 … the legacy models' removal) views a split QKV's query
+    in one go: more than one group per tensor-parallel rank fails in upstream itself."""
+    from megaport.train.families import spec
+
+    legacy = {"megatron/model/transformer.py": f"            {spec._LEGACY_GQA_VIEW}\n"}
+    family, sizes = registry.get(name), example.Sizes(heads=4)
+    groups = lambda tree: family.size_flags(sizes, tree)["--num-query-groups"]  # noqa: E731
+    assert groups(make_tree(tmp_path / "legacy-only", parser=PARSER, scripts=legacy)) == [1]
+    assert groups(make_tree(tmp_path / "mcore-opt-in", parser=PARSER + "add('--use-mcore-models')",
+                            scripts=legacy)) == [1]
+    assert groups(make_tree(tmp_path / "mcore-default", parser=PARSER + "add('--use-legacy-models')",
+                            scripts=legacy)) == [2]
+    assert groups(make_tree(tmp_path / "no-legacy", parser=PARSER)) == [2]

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from megaport.train import failure
 from megaport.train.shims import audit, registry
@@ -44,12 +45,16 @@ def _fake_upstream(root: Path, files: dict) -> Path:
 
 
 def test_every_shim_is_a_module_with_its_description_and_pattern():
-    assert len(registry.REGISTRY) == 15
+    """Each shim answers a failure (its pattern) or is one a model family starts its baseline with."""
+    from megaport.train.families import registry as families
+
+    up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
+    assert len(registry.REGISTRY) == 16
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
             assert isinstance(getattr(shim, field), str) and getattr(shim, field), (name, field)
-        assert shim.PATTERN and callable(shim.install), name
+        assert (shim.PATTERN or name in up_front) and callable(shim.install), name
 
 
 def test_no_shim_reads_imports_or_copies_the_port():
@@ -328,3 +333,51 @@ def test_the_baseline_runs_the_same_megaport_as_the_process_comparing_with_it(tm
         code = "import megaport, os; print(os.path.dirname(os.path.dirname(megaport.__file__)))"
         where = subprocess.run([sys.executable, "-c", code], env=env, cwd=folder, capture_output=True, text=True)
         assert where.stdout.strip() == str(SRC), where.stderr
+
+
+def _softmax_module(name: str):
+    """A stand-in for upstream's softmax module: its unfused path fills -10000 and normalises."""
+    import types
+
+    module = types.ModuleType(name)
+
+    class FusedScaleMaskSoftmax:
+        def __init__(self, sixteen_bit):
+            self.input_in_float16 = sixteen_bit
+
+        def forward_torch_softmax(self, input, mask):
+            return torch.softmax(input.masked_fill(mask, -10000.0), dim=-1)
+
+    module.FusedScaleMaskSoftmax = FusedScaleMaskSoftmax
+    return module
+
+
+def test_kernel_masked_rows_gives_fully_masked_rows_the_kernels_zeros():
+    from megaport.train.shims import kernel_masked_rows
+
+    module = _softmax_module("megatron.model.fused_softmax")
+    kernel_masked_rows.zero_fully_masked_rows(module)
+    scores = torch.randn(2, 3, 4, 5)
+    mask = torch.zeros(2, 1, 4, 5, dtype=torch.bool)
+    mask[0, 0, 1] = True  # one fully masked query row
+    mask[1, 0, 2, :3] = True  # a partly masked one
+    probs = module.FusedScaleMaskSoftmax(sixteen_bit=True).forward_torch_softmax(scores, mask)
+    assert torch.equal(probs[0, :, 1], torch.zeros(3, 5))
+    want = torch.softmax(scores.masked_fill(mask, -10000.0), dim=-1)
+    keep = ~mask.all(-1, keepdim=True).expand_as(probs)
+    assert torch.equal(probs[keep], want[keep])
+    fp32 = module.FusedScaleMaskSoftmax(sixteen_bit=False).forward_torch_softmax(scores, mask)
+    assert torch.equal(fp32, want), "upstream's fp32 takes the unfused path with its fusions on too"
+
+
+def test_kernel_masked_rows_applies_where_the_trees_kernel_zeroes_rows(tmp_path):
+    """The tree's own kernel source decides (76db958327's per-row scale); trees without one take
+    the kernel from apex or TE, which zero such rows."""
+    from megaport.train.shims import kernel_masked_rows
+
+    header = "megatron/fused_kernels/scaled_masked_softmax.h"
+    before = _fake_upstream(tmp_path / "2022-06", {header: "out[element] = elements[i][it + element] / sum[i];"})
+    after = _fake_upstream(tmp_path / "2022-08", {header: "scale_value[i] = (max_value[i] == -10000.0) ? 0.0 : 1.0;"})
+    without = _fake_upstream(tmp_path / "2024", {"megatron/core/fusions/fused_softmax.py": ""})
+    assert [registry.applies("kernel-masked-rows", str(t)) for t in (before, after, without)] == [False, True, True]
+    assert registry.applies("apex", str(before)), "a shim without a rule always applies"

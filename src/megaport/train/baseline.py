@@ -86,6 +86,7 @@ def run_unported(run, sha: str) -> tuple[dict, list]:
     with unported_upstream(run.tree, sha) as (folder, env):
         upstream = dataclasses.replace(run, tree=folder)
         result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env,
-                                          first=registry.get(run.family).baseline_shims)
+                                          first=[name for name in registry.get(run.family).baseline_shims
+                                                 if shims.applies(name, folder)])
     result["baseline_shims"] = [shims.describe(s) for s in names]
     return result, names

@@ -121,7 +121,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else example.SHORT_RUN)
         described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
     flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes,
-                           more_sizes=family.size_flags(run.sizes)) + (fork.deepspeed if fork else [])
+                           more_sizes=family.size_flags(run.sizes, run.tree)) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
         flags += example.fusions_off_flags(run.tree)
         for added, why in family.fusions_off:

@@ -12,7 +12,7 @@ from megaport.train.families.spec import Family, entry_point_and
 SCRIPT = "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh"
 
 
-def _sizes(sizes: example.Sizes) -> dict:
+def _sizes(sizes: example.Sizes, tree: str) -> dict:
     head = sizes.hidden // sizes.heads
     return {"--ffn-hidden-size": [4 * sizes.hidden], "--kv-channels": [head], "--kv-lora-rank": [2 * head],
             "--qk-head-dim": [head], "--v-head-dim": [head], "--qk-pos-emb-head-dim": [head // 2],

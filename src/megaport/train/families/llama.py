@@ -10,7 +10,7 @@ Llama-2 with the same), the training flags those of the gpt3 example. No ``--app
 """
 
 from megaport.train import example
-from megaport.train.families.spec import Family, entry_point_and
+from megaport.train.families.spec import Family, entry_point_and, query_groups
 
 ARCHITECTURE = ("--normalization RMSNorm --swiglu --position-embedding-type rope --no-position-embedding "
                 "--disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention "
@@ -26,8 +26,8 @@ TRAINING = ("--micro-batch-size 1 --global-batch-size 1536 --train-iters 500000 
             "--pipeline-model-parallel-size 1").split()
 
 
-def _sizes(sizes: example.Sizes) -> dict:
-    return {"--ffn-hidden-size": [4 * sizes.hidden], "--num-query-groups": [max(1, sizes.heads // 2)],
+def _sizes(sizes: example.Sizes, tree: str) -> dict:
+    return {"--ffn-hidden-size": [4 * sizes.hidden], "--num-query-groups": [query_groups(sizes, tree)],
             "--kv-channels": [sizes.hidden // sizes.heads]}
 
 

@@ -4,13 +4,13 @@ RMSNorm, RoPE, SwiGLU, GQA.
 """
 
 from megaport.train import example
-from megaport.train.families.spec import Family, entry_point_and
+from megaport.train.families.spec import Family, entry_point_and, query_groups
 
 SCRIPT = "examples/mixtral/train_mixtral_8x7b_distributed.sh"
 
 
-def _sizes(sizes: example.Sizes) -> dict:
-    return {"--ffn-hidden-size": [4 * sizes.hidden], "--num-query-groups": [max(1, sizes.heads // 2)],
+def _sizes(sizes: example.Sizes, tree: str) -> dict:
+    return {"--ffn-hidden-size": [4 * sizes.hidden], "--num-query-groups": [query_groups(sizes, tree)],
             "--num-experts": [4], "--expert-model-parallel-size": [1],
             "--lr-warmup-iters": [max(1, sizes.steps // 10)]}
 

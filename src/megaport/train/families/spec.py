@@ -43,8 +43,8 @@ class Family:
     #: dataset (:mod:`megaport.train.data`); "wordpiece": a WordPiece vocabulary and a dataset of
     #: multi-sentence documents (:mod:`megaport.train.wordpiece`), for BERT and T5
     data: str = "gpt"
-    #: flags beyond GPT's that carry a size, and their shrunk values: (sizes) -> {flag: [values]}
-    size_flags: Callable[[example.Sizes], dict] = lambda sizes: {}
+    #: flags beyond GPT's that carry a size, and their shrunk values: (sizes, tree) -> {flag: [values]}
+    size_flags: Callable[[example.Sizes, str], dict] = lambda sizes, tree: {}
     #: the script's flags a short run leaves out, each with why: {flag: why}
     dropped: dict = field(default_factory=dict)
     #: flags added after the script's, each group with why: ((flags...), why), ...
@@ -83,6 +83,27 @@ class Family:
 
     def has_entry_point(self, tree: str) -> bool:
         return os.path.isfile(os.path.join(tree, self.entry_point))
+
+
+#: upstream's legacy transformer views the query slice of its split QKV in one go, which only works
+#: with one query group per tensor-parallel rank (Llama-2 70B at TP 8 has one; at TP 1 two groups
+#: fail with "view size is not compatible", on any device); upstream never changed the line before
+#: it removed the legacy transformer (8de8238844)
+_LEGACY_GQA_VIEW = ("query_layer = query_layer.view(query_layer.size(0), query_layer.size(1), -1, "
+                    "self.hidden_size_per_attention_head)")
+_LEGACY_TRANSFORMERS = ("megatron/model/transformer.py", "megatron/legacy/model/transformer.py")
+
+
+def query_groups(sizes: example.Sizes, tree: str) -> int:
+    """Grouped-query attention's groups for a shrunk run: half the heads, or one where
+    ``pretrain_gpt.py`` builds upstream's legacy transformer by default (no ``--use-legacy-models``
+    to opt out of it) and its GQA view refuses more (:data:`_LEGACY_GQA_VIEW`)."""
+    builds_legacy = not example.parser_has(tree, "--use-legacy-models")
+    for rel in _LEGACY_TRANSFORMERS:
+        path = os.path.join(tree, rel)
+        if builds_legacy and os.path.isfile(path) and _LEGACY_GQA_VIEW in open(path, encoding="utf-8").read():
+            return 1
+    return max(1, sizes.heads // 2)
 
 
 def entry_point_and(*flags: str, entry_point: str = "pretrain_gpt.py") -> Callable[[str], bool]:
