@@ -21,7 +21,7 @@ own modules here are the harness only (references, guard, reporting). Files:
 - ``test_distributed.py``: two ranks through torch's elastic launcher, the tree's backend
   resolution, exact collectives, tensor-parallel layers at TP=2 against the unsharded layer.
 - ``test_training.py``: the tree's own ``pretrain_gpt.py`` under torchrun with the era's example
-  flags, shrunk (on the CPU with the substitutions of megaport.train.cpu); the loss upstream logs
+  flags, shrunk (on the CPU with the substitutions of megaport.cpu_substitutions); the loss upstream logs
   must fall and match the unported upstream commit with its fusions off. Trees without the
   script (PyPI's megatron-core) train through upstream's builders in-process instead.
 """

@@ -108,9 +108,9 @@ def _start_process_group(results, torch, dist, args, rank, local_rank):
     else:
         # CPU tensors: the groups the tree creates with an explicit nccl backend (2025's pipeline
         # groups) are gloo's too, as in the CPU training run.
-        from megaport.train.cpu import use_gloo
+        from megaport import cpu_substitutions
 
-        use_gloo(torch)
+        cpu_substitutions.install(torch, "process-group")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=90))
     results["backend"]["initialised"] = dist.get_backend()
     return device
@@ -169,9 +169,9 @@ def main() -> int:
     results: dict = {"rank": rank, "world_size": world}
     if args.device == "cpu":
         # Before the tree's first import: a fork tree builds CUDA tensors at import.
-        from megaport.deepspeed_fork import install_cpu_check_substitution
+        from megaport import cpu_substitutions
 
-        install_cpu_check_substitution(tree, torch)
+        cpu_substitutions.install(torch, "fork-checks", tree=tree)
     device = _start_process_group(results, torch, dist, args, rank, int(os.environ.get("LOCAL_RANK", rank)))
     _collectives(results, torch, dist, rank, world, device)
     try:

@@ -126,11 +126,11 @@ def _cpu_check_substitutions(smoke: Smoke) -> None:
         return  # the torch fixture reports it
     import torch
 
-    from megaport.deepspeed_fork import install_cpu_check_substitution
+    from megaport import cpu_substitutions
 
-    line = install_cpu_check_substitution(smoke.tree, torch)
-    if line:
-        smoke.facts["cpu_check_substitutions"] = [line]
+    lines = cpu_substitutions.install(torch, "fork-checks", tree=smoke.tree).lines
+    if lines:
+        smoke.facts["cpu_check_substitutions"] = lines
 
 
 def _masked_rows_from_catalogue(series: str | None) -> str:
@@ -316,10 +316,10 @@ def process_group(smoke, torch_module, rocm_port):
         torch_module.cuda.set_device(0)
     else:
         # The groups the tree creates with an explicit nccl backend (2025's pipeline groups) are
-        # gloo's on the CPU, as in the CPU training run (megaport.train.cpu.use_gloo).
-        from megaport.train.cpu import use_gloo
+        # gloo's on the CPU, as in the CPU training run.
+        from megaport import cpu_substitutions
 
-        undo = use_gloo(torch_module)
+        undo = cpu_substitutions.install(torch_module, "process-group").undo
     dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     try:

@@ -15,7 +15,7 @@ import inspect
 import pytest
 
 from megaport.smoke import _tree
-from megaport.train import harness
+from megaport import cpu_substitutions
 
 torch = pytest.importorskip("torch")
 
@@ -112,8 +112,8 @@ def call_or_skip_cuda_only(smoke, fn, *args, **kwargs):
     (the substitution is reported); anything else CUDA-only skips, naming the line."""
     placement = contextlib.nullcontext()
     if not smoke.gpu:
-        substitutions = smoke.facts.setdefault("grad_helpers_cpu_substitutions", [])
-        placement = harness.cpu_device_placement(torch, substitutions)
+        placement = cpu_substitutions.install(torch, "placement")
+        placement.tell(smoke.facts.setdefault("grad_helpers_cpu_substitutions", []))
     try:
         with placement:
             return fn(*args, **kwargs)

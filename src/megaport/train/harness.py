@@ -29,9 +29,10 @@ Modes:
 
 The harness sets its own learning rate, seed and dropout 0 (it is not upstream's entry point, and
 its loss must fall within a dozen steps). On CPU, upstream's CUDA-only plumbing gets the smallest
-substitutions, each reported under ``substitutions``: tensors it places on 'cuda' go to the CPU
-(the placement mode of :mod:`megaport.train.cpu`), the global memory buffer allocates on the CPU
-and the CUDA RNG tracker's fork() is a no-op (dropout is 0, so no random numbers are drawn in it).
+substitutions, each reported under ``substitutions`` (the ``placement`` and ``megatron-plumbing``
+profiles of :mod:`megaport.cpu_substitutions`): tensors it places on 'cuda' go to the CPU, the
+global memory buffer allocates on the CPU and the CUDA RNG tracker's fork() is a no-op (dropout is
+0, so no random numbers are drawn in it).
 No code the port changed is substituted.
 """
 
@@ -54,6 +55,7 @@ import sys
 import tempfile
 import time
 
+from megaport import cpu_substitutions
 from megaport.train import example
 from megaport.train import failure
 from megaport.train.baseline import unported_upstream, with_fewest_shims
@@ -100,61 +102,6 @@ def _batches(run: HarnessRun, torch):
         stride = torch.randint(1, 4, (run.batch, 1), generator=gen)
         seqs = (start + stride * steps) % run.vocab
         yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
-
-
-@contextlib.contextmanager
-def cpu_plumbing(parallel_state, tensor_parallel, torch, substitutions: list):
-    """The CPU substitutions described in the module docstring, undone afterwards."""
-    buffer = parallel_state.get_global_memory_buffer()
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-
-    def get_tensor(tensor_shape, dtype, name, *args, **kwargs):
-        numel = 1
-        for d in tensor_shape:
-            numel *= int(d)
-        held = buffer.buffer.get((name, dtype))
-        if held is None or held.numel() < numel:
-            held = buffer.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
-        return held[:numel].view(*tensor_shape)
-
-    buffer.get_tensor = get_tensor
-    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    substitutions += ["parallel_state GlobalMemoryBuffer on CPU", "CUDA RNG tracker fork() no-op (dropout 0)"]
-    try:
-        yield
-    finally:
-        del buffer.get_tensor
-        del tracker.fork
-
-
-@contextlib.contextmanager
-def cpu_device_placement(torch, substitutions: list):
-    """Upstream's ``device=torch.cuda.current_device()`` / ``'cuda'`` allocations land on the CPU:
-    the placement substitutions of :mod:`megaport.train.cpu` (``.cuda()``, the legacy
-    ``torch.cuda.IntTensor``-style constructors 2021-2023 code allocates with, and the placement
-    mode), plus ``torch.cuda.current_device()`` answering ``"cpu"`` (upstream passes it as a
-    ``device=``, also from backward passes, where no function mode is active). Only placement
-    changes: every computation is the tree's."""
-    from megaport.train.cpu import LEGACY_CONSTRUCTORS, place_on_cpu, placement_mode
-
-    names = ("current_device", "current_stream") + LEGACY_CONSTRUCTORS
-    saved_cuda = {name: getattr(torch.cuda, name, None) for name in names}
-    saved_tensor_cuda = torch.Tensor.cuda
-    place_on_cpu(torch)
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
-    note = ("tensors upstream places on 'cuda' are placed on the CPU (torch.cuda.current_device() "
-            "answers 'cpu', current_stream() the CPU stream, torch.cuda.*Tensor constructors build CPU "
-            "tensors), and Tensor.type() names them torch.cuda.* for upstream's type checks")
-    if note not in substitutions:
-        substitutions.append(note)
-    try:
-        with placement_mode(torch):
-            yield
-    finally:
-        torch.Tensor.cuda = saved_tensor_cuda
-        for name, value in saved_cuda.items():
-            setattr(torch.cuda, name, value)
 
 
 def upstream_args(run: HarnessRun, facts: dict):
@@ -343,11 +290,10 @@ def train(run: HarnessRun) -> dict:
     torch.manual_seed(run.seed)
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
 
-    substitutions = contextlib.ExitStack()
-    if not gpu:
-        substitutions.enter_context(cpu_device_placement(torch, facts["substitutions"]))
-        substitutions.enter_context(cpu_plumbing(parallel_state, tensor_parallel, torch, facts["substitutions"]))
-    with substitutions:
+    if gpu:
+        return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
+    with cpu_substitutions.install(torch, "placement", "megatron-plumbing") as substituted:
+        substituted.tell(facts["substitutions"])
         return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
 
 
