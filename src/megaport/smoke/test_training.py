@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 
 from megaport.smoke import _tree
-from megaport.train import baseline, harness, parity, pretrain
+from megaport.train import baseline, parity, pretrain
+from megaport.train.harness import launcher
 from megaport.train.families import registry
 
 MIN_LOGGED = parity.MIN_COMPARED  # iterations with a loss (fp16's loss-scale search skips the first ~16)
@@ -64,7 +65,7 @@ def _pretrain_run(smoke, family: str, mode: str = "ported") -> pretrain.Run:
 
 
 def _harness(smoke, tree, mode, env):
-    return harness.run_in_subprocess(tree, mode, env=env, steps=HARNESS_STEPS, device="cuda" if smoke.gpu else "cpu")
+    return launcher.run_in_subprocess(tree, mode, env=env, steps=HARNESS_STEPS, device="cuda" if smoke.gpu else "cpu")
 
 
 def _facts(smoke, family: str) -> dict:
@@ -129,8 +130,8 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, family, ported_r
             shims = base["baseline_shims"]
             compared = parity.loss_parity(ported_run, base)
         else:
-            base, shims = harness.upstream_baseline(smoke.tree, sha, steps=HARNESS_STEPS,
-                                                    device="cuda" if smoke.gpu else "cpu")
+            base, shims = launcher.upstream_baseline(smoke.tree, sha, steps=HARNESS_STEPS,
+                                                     device="cuda" if smoke.gpu else "cpu")
             steps = list(range(1, HARNESS_STEPS + 1))  # the harness logs every step
             compared = parity.loss_parity(dict(ported_run, iterations=steps), dict(base, iterations=steps))
     except RuntimeError as exc:

@@ -1,14 +1,11 @@
-"""For trees without ``pretrain_gpt.py``: a few training steps through upstream's megatron.core builders.
+"""The harness's fresh interpreter: a few training steps through upstream's megatron.core builders.
 
-A tree made from PyPI's ``megatron-core`` (what CI can download) has no ``pretrain_gpt.py`` and,
-before 0.17, no ``megatron/training``. Every tree that has the script trains through it
-(:mod:`megaport.train.pretrain`); this harness serves the others, for the training smoke test, the
-loss-parity test and ``megaport bench --train``. It runs in a fresh interpreter with the tree first
-on sys.path, so two trees never share a process:
+Started by :mod:`megaport.train.harness.launcher` with the tree first on sys.path, so two trees
+never share a process:
 
     python -m megaport.train.harness --tree DIR --mode ported|fusions-off [--device cpu|cuda] ...
 
-and prints one JSON document on its last line of stdout.
+It prints one JSON document on its last line of stdout.
 
 What it builds is what upstream's training builds from megatron.core. Where the tree has
 megatron/training, upstream's own ``parse_args`` and ``validate_args`` run on the flags of the
@@ -32,8 +29,7 @@ its loss must fall within a dozen steps). On CPU, upstream's CUDA-only plumbing 
 substitutions, each reported under ``substitutions`` (the ``placement`` and ``megatron-plumbing``
 profiles of :mod:`megaport.cpu_substitutions`): tensors it places on 'cuda' go to the CPU, the
 global memory buffer allocates on the CPU and the CUDA RNG tracker's fork() is a no-op (dropout is
-0, so no random numbers are drawn in it).
-No code the port changed is substituted.
+0, so no random numbers are drawn in it). No code the port changed is substituted.
 """
 
 from __future__ import annotations
@@ -50,7 +46,6 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,8 +53,6 @@ import time
 from megaport import cpu_substitutions
 from megaport.train import example
 from megaport.train import failure
-from megaport.train.baseline import unported_upstream, with_fewest_shims
-from megaport.train.shims import audit
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -380,7 +373,7 @@ def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torc
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megaport.train.harness", description=__doc__.split("\n\n")[0])
     defaults = HarnessRun(tree="")
     parser.add_argument("--tree", required=True)
     parser.add_argument("--mode", choices=MODES, default=defaults.mode)
@@ -401,45 +394,3 @@ def main(argv=None) -> int:
     sys.stdout.write("\n" + json.dumps(document) + "\n")
     sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    sys.exit(main())
-
-
-def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float = 900, **sizes) -> dict:
-    """Run the harness on ``tree`` in a fresh interpreter: its JSON document, or a RuntimeError
-    with the tail of its output."""
-
-    command = [sys.executable, "-m", "megaport.train.harness", "--tree", str(tree), "--mode", mode]
-    for name, value in sizes.items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    env = dict(os.environ if env is None else env)
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    with tempfile.TemporaryDirectory(prefix="megaport-harness-") as failures, \
-            tempfile.TemporaryDirectory(prefix="megaport-audit-") as audits:
-        env.update({failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits})
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
-                              stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
-        died_of, port_code = failure.read(failures), audit.read(audits)
-    documents = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not documents:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise failure.RunFailed(f"training run on {tree} ({mode}) exited {proc.returncode}:\n{tail}", died_of)
-    document = json.loads(documents[-1])
-    document["log"] = [line for line in proc.stdout.splitlines() if line.startswith("> ROCm port:")]
-    document["baseline_port_code"] = port_code
-    return document
-
-
-def upstream_baseline(tree, sha: str, **sizes) -> tuple[dict, list]:
-    """Upstream with its fusions off, on the same sizes: (its run, the baseline shims it needed).
-    The unported commit is exported next to the tree and run as a ROCm user without megaport
-    would (see :mod:`megaport.train.baseline` for the shims)."""
-    from megaport.train.shims.registry import describe
-
-    with unported_upstream(tree, sha) as (upstream, env):
-        document, shims = with_fewest_shims(
-            lambda shimmed: run_in_subprocess(upstream, "fusions-off", env=shimmed, **sizes), env)
-    return document, [describe(s) for s in shims]
