@@ -159,15 +159,19 @@ class _Placements(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _PlacesInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
+def _placing_in_backward(device: str):
+    """An autograd function (times 2) whose backward places a tensor on ``device``, as upstream's do."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        torch.tensor(0).to("cpu")
-        return grad * 2
+    class PlacesInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.tensor(2.0).to(device)
+
+    return PlacesInBackward
 
 
 @pytest.fixture
@@ -181,7 +185,7 @@ def _backward_under_mode():
     _Placements.seen = []
     x = torch.ones(3, requires_grad=True)
     with _Placements():
-        _PlacesInBackward.apply(x).sum().backward()
+        _placing_in_backward("cpu").apply(x).sum().backward()
     return x.grad, list(_Placements.seen)
 
 
@@ -200,19 +204,9 @@ def test_backward_runs_under_a_fresh_placement_mode(patch):
 
 def test_the_placement_mode_keeps_a_cuda_placement_in_backward_on_the_cpu(clean):
     cpu_substitutions.install(torch, "training")  # its backward-placement row
-
-    class ToCuda(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 3
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * torch.tensor(3.0).to("cuda")
-
     x = torch.ones(2, requires_grad=True)
-    ToCuda.apply(x).sum().backward()
-    assert x.grad.device.type == "cpu" and torch.equal(x.grad, torch.full((2,), 3.0))
+    _placing_in_backward("cuda").apply(x).sum().backward()
+    assert x.grad.device.type == "cpu" and torch.equal(x.grad, torch.full((2,), 2.0))
 
 
 _FORK_MODULE = '''
