@@ -45,7 +45,7 @@ LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Ten
 
 
 class Patch:
-    """What one row replaced, each with what it replaced, so that undo() puts back the very objects."""
+    """The attributes one row replaced, each with the object it replaced: undo() puts back the very objects."""
 
     def __init__(self) -> None:
         self._steps: list = []

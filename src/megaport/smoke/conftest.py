@@ -257,7 +257,7 @@ def process_group(smoke, torch_module, rocm_port):
 
     # megatron.core.parallel_state from 2022-11; megatron.mpu, with the same functions, before.
     module, reason = _verdicts.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree",
-                                                smoke.tree)
+                                                    smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no model-parallel state module ({reason})", pytrace=False)
     parallel_state = module

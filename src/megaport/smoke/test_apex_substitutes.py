@@ -226,7 +226,7 @@ def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtyp
     """The FusedLayerNormAffineFunction the tree's fused_layer_norm module uses (fwd and bwd)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_id]
     module, _ = _locate.import_first(("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
-                                    "megatron.legacy.model.fused_layer_norm"))
+                                      "megatron.legacy.model.fused_layer_norm"))
     fn = getattr(module, "FusedLayerNormAffineFunction", None) if module else None
     fn = fn or port_name(rocm_port, "FusedLayerNormAffineFunction")
     if module is not None and getattr(module, "fused_mix_prec_layer_norm_cuda", False) is None:
