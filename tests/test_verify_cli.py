@@ -178,3 +178,40 @@ def test_chosen_families_reach_the_suite(tmp_path):
     assert "--megaport-models=gpt,t5" in command
     assert not any(c.startswith("--megaport-models") for c in verify_mod.pytest_command(
         "python", tmp_path, "cpu", "uniform", "s", tmp_path / "r.json", None, None, color=False))
+
+
+def test_the_report_gives_each_section_in_order():
+    """The device table's sections, the results per file, failures, skips and the summary line, in order."""
+    import io
+
+    from rich.console import Console
+
+    state = PortState(upstream_url="u", upstream_ref="core_v0.16.1", upstream_sha="a" * 40, series="s", branch="b",
+                      head="b" * 40, patches=[], files=[])
+    parity = {"max_relative_difference": 1e-3, "iterations": [1, 2], "loss_drop": 0.5}
+    device = {
+        "device": "cpu", **CPU_INFO, "backend_default": {"value": "nccl", "torch_backend": "gloo", "from": "args"},
+        "two_rank_runs": {"gloo": {"requested": "nccl", "initialised": "gloo"}},
+        "training": {"entry_point": "pretrain_gpt.py", "ms_per_iter": 1.0, "tokens_per_s": 2.0, "data": "mock",
+                     "notes": ["flags of x.sh, changed in size"], "command": "torchrun x", "port_log": ["> ROCm port: p"]},
+        "training_losses": [2.0, 1.0], "training_cpu_substitutions": ["gloo"], "cpu_check_substitutions": ["c"],
+        "families": {"gpt": {"entry_point": "pretrain_gpt.py"}, "bert": {"entry_point": "pretrain_bert.py", "error": "e"}},
+        "loss_parity": parity, "gpu_only_not_run": ["g"], "not_in_this_era": ["t.py::n"], "era_wgrad_fusion": "w",
+        "era_unverified": ["u"],
+    }
+    tests = [{"name": "t.py::a", "outcome": "passed", "duration": 1.0},
+             {"name": "t.py::b", "outcome": "failed", "duration": 1.0, "message": "broke"},
+             {"name": "k.py::c", "outcome": "skipped", "duration": 0.0, "message": "why"}]
+    out = io.StringIO()
+    verify_mod.report(Console(file=out, width=200), {"tree": "/t", "device": device, "tests": tests,
+                                                     "summary": {"passed": 1, "failed": 1, "skipped": 1}}, state)
+    text = out.getvalue()
+    rows = ["tree", "series", "upstream", "device", "python", "torch", "backend default", "2-rank run (gloo)",
+            "training ", "training flags", "training command", "port log", "training on CPU", "checks on CPU",
+            "family gpt", "family bert", "loss vs upstream", "GPU-only cases", "not in this era", "wgrad fusion",
+            "era unverified"]
+    labels = [f"│ {row}" for row in rows] + ["smoke results", "FAILED t.py::b: broke", "skipped 1: why",
+                                            "1 passed, 1 failed, 1 skipped in 0.0 s on cpu"]
+    positions = [text.find(label) for label in labels]
+    assert -1 not in positions, [label for label, at in zip(labels, positions) if at == -1]
+    assert positions == sorted(positions), text

@@ -23,7 +23,7 @@ import megaport
 from megaport.cli import main
 from megaport.commands import verify as verify_mod
 from megaport.porttree import STATE_FILE, PatchRecord, PortState, subprocess_env
-from megaport.smoke import _fork, _launch, _tree
+from megaport.smoke import _era, _fork, _launch, _verdicts
 from support.gitrepos import commit, git, make_repo
 
 PORT_SOURCE = (Path(megaport.__file__).parent / "replacements" / "rocm_port.py").read_text(encoding="utf-8")
@@ -261,9 +261,9 @@ LIVE = "def backward(g):\n    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp
 COMMENTED = "def backward(g):\n    # fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(g)\n    return g\n"
 
 
-def _wgrad_tree(root: Path, upstream: str, ported: str, **kwargs) -> tuple[Path, _tree.Upstream]:
+def _wgrad_tree(root: Path, upstream: str, ported: str, **kwargs) -> tuple[Path, _era.Upstream]:
     tree = fake_port(root, {**BASE, **TP, LAYERS: upstream}, {**PORT, LAYERS: ported}, **kwargs)
-    return tree, _tree.Upstream(tree, json.loads((tree / ".git" / STATE_FILE).read_text()))
+    return tree, _era.Upstream(tree, json.loads((tree / ".git" / STATE_FILE).read_text()))
 
 
 def test_the_wgrad_fusion_era_comes_from_upstream_not_the_ported_layers(tmp_path):
@@ -300,15 +300,15 @@ def test_era_name_asks_upstream_before_skipping(tmp_path):
     path = "megatron/core/optimizer/clip_grads.py"
     tree = fake_port(tmp_path, {**BASE, path: "multi_tensor_applier = None\n"}, {**PORT, path: "\n"})
     state = json.loads((tree / ".git" / STATE_FILE).read_text())
-    smoke = types.SimpleNamespace(tree=tree, upstream=_tree.Upstream(tree, state))
+    smoke = types.SimpleNamespace(tree=tree, upstream=_era.Upstream(tree, state))
     module = types.ModuleType("megatron.core.optimizer.clip_grads")
     module.__file__ = str(tree / path)
     with pytest.raises(pytest.fail.Exception, match="the port lost it"):
-        _tree.era_name(smoke, module, "multi_tensor_applier")
+        _era.era_name(smoke, module, "multi_tensor_applier")
     with pytest.raises(pytest.skip.Exception, match="has none either"):
-        _tree.era_name(smoke, module, "l2_norm_impl")
+        _era.era_name(smoke, module, "l2_norm_impl")
     module.l2_norm_impl = len
-    assert _tree.era_name(smoke, module, "l2_norm_impl") is len
+    assert _era.era_name(smoke, module, "l2_norm_impl") is len
     smoke.upstream.close()
 
 
@@ -326,8 +326,8 @@ def test_cuda_only_is_no_excuse_for_the_ports_own_code(tmp_path):
             return exc
         raise AssertionError("did not raise")
 
-    assert _tree.cuda_only_reason(raised_in("megatron/core/clip_grads.py"), tree)
-    assert _tree.cuda_only_reason(raised_in("megatron/core/rocm_port.py"), tree) is None
+    assert _verdicts.cuda_only_reason(raised_in("megatron/core/clip_grads.py"), tree)
+    assert _verdicts.cuda_only_reason(raised_in("megatron/core/rocm_port.py"), tree) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ The fork imports deepspeed unconditionally and chooses code paths by DeepSpeed's
 takes apex and the fused kernels, which the series serve in PyTorch. On a machine without a GPU
 DeepSpeed picks its CPU accelerator and the fork other paths (torch's Adam, torch's LayerNorm), so
 runs that check the port on a CPU set ``DS_ACCELERATOR=cuda``: the fork then takes the paths it
-takes on a ROCm GPU, with megaport's CPU substitutions under them (:mod:`megaport.train.cpu`).
+takes on a ROCm GPU, with megaport's CPU substitutions under them (:mod:`megaport.cpu_substitutions`:
+the ``deepspeed`` and ``fork-checks`` profiles).
 """
 
 from __future__ import annotations
@@ -93,55 +94,3 @@ print(json.dumps({"version": deepspeed.__version__, "accelerator": accelerator.d
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": f"importing deepspeed failed: {tail}"}
     return json.loads(lines[-1])
-
-
-#: What a CPU run of a fork tree substitutes in DeepSpeed (printed with the other CPU substitutions).
-CPU_SUBSTITUTION = ("DeepSpeed's CUDA accelerator: is_fp16_supported()/is_bf16_supported() answer True "
-                    "(the CPU device of the run has capability (0, 0); ROCm GPUs have both), "
-                    "current_device_name() answers 'cpu'")
-
-
-#: What the smoke suite's CPU checks of a fork tree substitute for their whole process.
-CPU_CHECK_SUBSTITUTION = ("torch.cuda.*Tensor legacy constructors build CPU tensors: the fork builds its dtype "
-                          "tables at import from DeepSpeed's accelerator (get_accelerator().FloatTensor(0).dtype "
-                          "in megatron/model/module.py, 2023-12 … 2024-04), which hands out these constructors")
-
-
-def install_cpu_check_substitution(tree, torch) -> str | None:
-    """For the smoke suite's CPU checks of a fork tree (in process and in each rank of the 2-rank run),
-    which import the tree's modules outside the training run's placement mode: the legacy
-    constructors build CPU tensors, as in the training run. The line to report, or None for
-    an upstream tree (nothing substituted)."""
-    if not is_deepspeed_tree(tree):
-        return None
-    from megaport.train.cpu import legacy_constructors_on_cpu
-
-    legacy_constructors_on_cpu(torch)
-    return CPU_CHECK_SUBSTITUTION
-
-
-def _precision_and_placement_on_cpu(module) -> None:
-    """DeepSpeed's CUDA accelerator in a CPU run: its precision queries answer True (the engine's
-    sanity check would refuse fp16/bf16 on the run's capability (0, 0) device) and its current
-    device name is 'cpu' (it is 'cuda:' + current_device(), which the CPU substitutions answer 'cpu')."""
-    cls = getattr(module, "CUDA_Accelerator", None)
-    if cls is not None:
-        cls.is_fp16_supported = lambda self: True
-        cls.is_bf16_supported = lambda self: True
-        cls.current_device_name = lambda self: "cpu"
-
-
-def _accelerator_package_on_cpu(package) -> None:
-    import importlib
-
-    _precision_and_placement_on_cpu(importlib.import_module("deepspeed.accelerator.cuda_accelerator"))
-
-
-def install_cpu_substitution() -> str:
-    """For a fork tree's CPU run (before the script imports deepspeed); the line to report."""
-    from megaport.train.hooks import after_import
-
-    # On the package, not on cuda_accelerator itself: the port's own after-import finder (for
-    # DeepSpeed's legacy tensor types) comes first on sys.meta_path and would answer for that module.
-    after_import("deepspeed.accelerator", _accelerator_package_on_cpu)
-    return CPU_SUBSTITUTION

@@ -71,9 +71,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 # --- the worker, in the tree's process ----------------------------------------------------------
 
 def _port_module():
-    from megaport.smoke import _tree
+    from megaport.smoke import _locate
 
-    module, why = _tree.import_first(_tree.ROCM_PORT_MODULES)
+    module, why = _locate.import_first(_locate.ROCM_PORT_MODULES)
     if module is None or not hasattr(module, "sdpa_core_attention"):
         raise SystemExit(f"this tree's port has no sdpa_core_attention ({why or 'an older port'}): re-apply it "
                          "with this megaport")

@@ -131,12 +131,12 @@ def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, dev
 
 
 def _harness_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, device: str) -> dict:
-    from megaport.train import harness
+    from megaport.train.harness import launcher
 
     if which == "ported":
-        run = harness.run_in_subprocess(tree, "ported", env=env, device=device, **sizes)
+        run = launcher.run_in_subprocess(tree, "ported", env=env, device=device, **sizes)
         return {**run, "what": "megaport's harness on the ported tree, upstream's default fusions"}
-    run, shims = harness.upstream_baseline(tree, sha, device=device, **sizes)
+    run, shims = launcher.upstream_baseline(tree, sha, device=device, **sizes)
     return {**run, "baseline_shims": shims, "what": "megaport's harness on the unported upstream commit, fusions off"}
 
 

@@ -26,13 +26,13 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def load(tree: Path):
     sys.path.insert(0, str(tree))
     sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # megaport, for the locator helpers
-    from megaport.smoke import _tree
+    from megaport.smoke import _locate
 
-    fs, reason = _tree.import_first(_tree.FUSED_SOFTMAX_MODULES)
+    fs, reason = _locate.import_first(_locate.FUSED_SOFTMAX_MODULES)
     if fs is None:
         raise SystemExit(f"no fused_softmax module in {tree}: {reason}")
     mask_func = None
-    for name in _tree.MASK_FUNC_MODULES:
+    for name in _locate.MASK_FUNC_MODULES:
         try:
             mask_func = getattr(__import__(name, fromlist=["_"]), "attention_mask_func", None)
         except ImportError:

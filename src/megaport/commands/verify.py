@@ -18,6 +18,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
+from rich.table import Table
+
 from megaport import device as devices
 from megaport.catalogue import load_catalogue
 from megaport.errors import MegaportError
@@ -239,100 +242,177 @@ def family_row(facts: dict) -> str:
 
 def report(console, document: dict, state: PortState) -> None:
     """Device and versions, then results per file, failures with their first line, skip reasons."""
-    from rich.markup import escape
-    from rich.table import Table
+    console.print(_device_table(document, state))
+    console.print(_results_table(document["tests"]))
+    for line in _failure_lines(document["tests"]):
+        console.print(line)
+    for line in _skip_lines(document["tests"]):
+        console.print(line)
+    console.print(_summary_line(document))
 
-    device = document["device"]
+
+def _device_table(document: dict, state: PortState):
+    """The "device and versions" table: each section of DEVICE_SECTIONS adds its rows, in order."""
     table = Table(title="device and versions", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("tree", escape(document["tree"]))
-    table.add_row("series", f"{state.series} ({device.get('fully_masked_rows')} fully masked rows)")
-    table.add_row("upstream", f"{state.upstream_ref} = {state.upstream_sha[:12]}")
-    table.add_row("device", device.get("device", "?"))
-    for label, value in devices.summary_rows(device):
-        table.add_row(label, escape(value))
+    for section in DEVICE_SECTIONS:
+        for label, text in section(document, state):
+            table.add_row(label, text)
+    return table
+
+
+# Each section gives (label, text) rows of the device table; text is rich markup (escaped where it
+# holds values from the run).
+
+
+def _run_rows(document: dict, state: PortState):
+    """The tree, its series and upstream commit, and the device the suite ran on."""
+    device = document["device"]
+    yield "tree", escape(document["tree"])
+    yield "series", f"{state.series} ({device.get('fully_masked_rows')} fully masked rows)"
+    yield "upstream", f"{state.upstream_ref} = {state.upstream_sha[:12]}"
+    yield "device", device.get("device", "?")
+
+
+def _environment_rows(document: dict, state: PortState):
+    """Python, torch and the GPUs (the rows verify shares with bench and doctor)."""
+    for label, value in devices.summary_rows(document["device"]):
+        yield label, escape(value)
+
+
+def _backend_rows(document: dict, state: PortState):
+    """The tree's backend default, and what each 2-rank run asked for and got."""
+    device = document["device"]
     backend = device.get("backend_default")
     if backend:
-        table.add_row("backend default", f"{backend['value']} → torch '{backend['torch_backend']}' ({backend['from']})")
+        yield "backend default", f"{backend['value']} → torch '{backend['torch_backend']}' ({backend['from']})"
     for variant, info in (device.get("two_rank_runs") or {}).items():
         lib = info.get("library")
         lib_text = f", {lib[0]} {lib[1] or ''}".rstrip() if lib else ""
-        table.add_row(f"2-rank run ({variant})", f"{info.get('requested')} → {info.get('initialised')}{lib_text}")
+        yield f"2-rank run ({variant})", f"{info.get('requested')} → {info.get('initialised')}{lib_text}"
+
+
+def _training_rows(document: dict, state: PortState):
+    """How the training test trained (the tree's pretrain_gpt.py, or the harness), and what the port logged."""
+    device = document["device"]
     training = device.get("training") or {}
     if training.get("entry_point") == "pretrain_gpt.py":
-        losses = device.get("training_losses") or []
-        table.add_row("training", escape(f"the tree's pretrain_gpt.py: {training['ms_per_iter']:.1f} ms/iter, "
-                                         f"{training['tokens_per_s']:.0f} tokens/s; loss {losses[0]} → {losses[-1]} "
-                                         f"over {len(losses)} logged iterations; {training['data']}"
-                                         if losses else "the tree's pretrain_gpt.py"))
-        for note in training.get("notes") or []:
-            table.add_row("training flags", escape(note))
-        table.add_row("training command", escape(training["command"]))
+        yield from _pretrain_rows(device, training)
     elif training:
-        table.add_row("training path", escape(f"megaport's harness on upstream's builders: {training.get('layer_spec')}; "
-                                              f"{training.get('ddp')}; {training.get('optimizer')}"))
+        yield "training path", escape(f"megaport's harness on upstream's builders: {training.get('layer_spec')}; "
+                                      f"{training.get('ddp')}; {training.get('optimizer')}")
     for line in training.get("port_log") or training.get("log") or []:
-        table.add_row("port log", escape(line.removeprefix("> ROCm port: ")))
+        yield "port log", escape(line.removeprefix("> ROCm port: "))
+
+
+def _pretrain_rows(device: dict, training: dict):
+    """The tree's pretrain_gpt.py: speed and losses, the flags as changed, the command."""
+    losses = device.get("training_losses") or []
+    yield "training", escape(f"the tree's pretrain_gpt.py: {training['ms_per_iter']:.1f} ms/iter, "
+                             f"{training['tokens_per_s']:.0f} tokens/s; loss {losses[0]} → {losses[-1]} "
+                             f"over {len(losses)} logged iterations; {training['data']}"
+                             if losses else "the tree's pretrain_gpt.py")
+    for note in training.get("notes") or []:
+        yield "training flags", escape(note)
+    yield "training command", escape(training["command"])
+
+
+def _cpu_rows(document: dict, state: PortState):
+    """The CPU substitutions: the training run's, and the suite's own checks'."""
+    device = document["device"]
     subs = device.get("training_cpu_substitutions")
     if subs:
-        table.add_row("training on CPU", escape("; ".join(subs)))
+        yield "training on CPU", escape("; ".join(subs))
     for line in device.get("cpu_check_substitutions") or []:
-        table.add_row("checks on CPU", escape(line))
-    families = device.get("families") or {}
+        yield "checks on CPU", escape(line)
+
+
+def _family_rows(document: dict, state: PortState):
+    """One row a model family, where the tree has any but GPT."""
+    families = document["device"].get("families") or {}
     if any(name != "gpt" for name in families):
         for name, facts in families.items():
-            table.add_row(f"family {name}", escape(family_row(facts)))
-    parity = device.get("loss_parity")
-    if parity:
-        shims = parity.get("baseline_shims") or []
-        norms = (f", grad norm max {parity['grad_norm_max_relative_difference']:.2e}"
-                 if parity.get("grad_norm_compared") else "")
-        drop = f"; upstream's loss fell {parity['loss_drop']:.0%} over them" if "loss_drop" in parity else ""
-        table.add_row("loss vs upstream", escape(
-            f"loss max {parity['max_relative_difference']:.2e} relative{norms} over {len(parity['iterations'])} "
-            f"iterations{drop}, same seed, data and flags; against "
-            f"{parity.get('against', 'unported upstream, fusions off')}"
-            + (f"; baseline shims: {'; '.join(shims)}" if shims else "")))
+            yield f"family {name}", escape(family_row(facts))
+
+
+def _parity_rows(document: dict, state: PortState):
+    """The loss (and grad norm) against the unported upstream commit with its fusions off."""
+    parity = document["device"].get("loss_parity")
+    if not parity:
+        return
+    shims = parity.get("baseline_shims") or []
+    norms = (f", grad norm max {parity['grad_norm_max_relative_difference']:.2e}"
+             if parity.get("grad_norm_compared") else "")
+    drop = f"; upstream's loss fell {parity['loss_drop']:.0%} over them" if "loss_drop" in parity else ""
+    yield "loss vs upstream", escape(
+        f"loss max {parity['max_relative_difference']:.2e} relative{norms} over {len(parity['iterations'])} "
+        f"iterations{drop}, same seed, data and flags; against "
+        f"{parity.get('against', 'unported upstream, fusions off')}"
+        + (f"; baseline shims: {'; '.join(shims)}" if shims else ""))
+
+
+def _era_rows(document: dict, state: PortState):
+    """What was not run and why: GPU-only cases on the CPU, features the era lacks, era decisions."""
+    device = document["device"]
     not_run = device.get("gpu_only_not_run")
     if not_run:
-        table.add_row("GPU-only cases", f"{len(not_run)} not run on CPU (deselected)")
+        yield "GPU-only cases", f"{len(not_run)} not run on CPU (deselected)"
     absent = device.get("not_in_this_era")
     era = device.get("era_from") or "upstream"
     if absent:
-        table.add_row("not in this era", escape(", ".join(name.split("::")[-1] for name in absent)
-                                                + f" ({era} has no such feature; deselected)"))
+        yield "not in this era", escape(", ".join(name.split("::")[-1] for name in absent)
+                                        + f" ({era} has no such feature; deselected)")
     if device.get("era_wgrad_fusion") and not any("gradient_accumulation_fusion" in n for n in absent or []):
-        table.add_row("wgrad fusion", escape(device["era_wgrad_fusion"]))
+        yield "wgrad fusion", escape(device["era_wgrad_fusion"])
     for note in device.get("era_unverified") or []:
-        table.add_row("era unverified", escape(note))
-    console.print(table)
+        yield "era unverified", escape(note)
 
+
+DEVICE_SECTIONS = (_run_rows, _environment_rows, _backend_rows, _training_rows, _cpu_rows, _family_rows,
+                   _parity_rows, _era_rows)
+
+
+def _results_table(tests: list):
+    """The "smoke results" table: passed, failed, skipped and seconds per test file."""
+    results = Table(title="smoke results", title_justify="left")
+    for column in ("suite", "passed", "failed", "skipped", "seconds"):
+        results.add_column(column, justify="left" if column == "suite" else "right")
+    for name, counts in _per_file(tests).items():
+        failed = f"[red]{counts['failed']}[/]" if counts["failed"] else "0"
+        results.add_row(escape(name), str(counts["passed"]), failed, str(counts["skipped"]), f"{counts['time']:.1f}")
+    return results
+
+
+def _per_file(tests: list) -> dict:
+    """{test file: its counts and seconds}, in the order the files ran (an error counts as failed)."""
     per_file: dict = {}
-    for test in document["tests"]:
+    for test in tests:
         name = test["name"].split("::")[0]
         counts = per_file.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0, "time": 0.0})
         key = "failed" if test["outcome"] in ("failed", "error") else test["outcome"]
         counts[key] += 1
         counts["time"] += test["duration"]
-    results = Table(title="smoke results", title_justify="left")
-    for column in ("suite", "passed", "failed", "skipped", "seconds"):
-        results.add_column(column, justify="left" if column == "suite" else "right")
-    for name, counts in per_file.items():
-        failed = f"[red]{counts['failed']}[/]" if counts["failed"] else "0"
-        results.add_row(escape(name), str(counts["passed"]), failed, str(counts["skipped"]), f"{counts['time']:.1f}")
-    console.print(results)
+    return per_file
 
-    failures = [t for t in document["tests"] if t["outcome"] in ("failed", "error")]
-    for test in failures:
-        console.print(f"[red]FAILED[/] {escape(test['name'])}: {escape(test.get('message', ''))}")
+
+def _failure_lines(tests: list) -> list:
+    """One line a failed test (or error), with its message."""
+    return [f"[red]FAILED[/] {escape(test['name'])}: {escape(test.get('message', ''))}"
+            for test in tests if test["outcome"] in ("failed", "error")]
+
+
+def _skip_lines(tests: list) -> list:
+    """One line a skip reason, with how many tests it skipped."""
     reasons: dict = {}
-    for test in document["tests"]:
+    for test in tests:
         if test["outcome"] == "skipped":
             reasons.setdefault(test.get("message", ""), []).append(test["name"])
-    for reason, names in reasons.items():
-        console.print(f"[yellow]skipped[/] {len(names)}: {escape(reason)}")
+    return [f"[yellow]skipped[/] {len(names)}: {escape(reason)}" for reason, names in reasons.items()]
+
+
+def _summary_line(document: dict) -> str:
     summary = document["summary"]
     colour = "red" if summary["failed"] else "green"
-    console.print(f"[{colour}]{summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped"
-                  f"[/] in {summary.get('duration', 0):.1f} s on {device.get('device', '?')}")
+    return (f"[{colour}]{summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped"
+            f"[/] in {summary.get('duration', 0):.1f} s on {document['device'].get('device', '?')}")

@@ -21,9 +21,16 @@ own modules here are the harness only (references, guard, reporting). Files:
 - ``test_distributed.py``: two ranks through torch's elastic launcher, the tree's backend
   resolution, exact collectives, tensor-parallel layers at TP=2 against the unsharded layer.
 - ``test_training.py``: the tree's own ``pretrain_gpt.py`` under torchrun with the era's example
-  flags, shrunk (on the CPU with the substitutions of megaport.train.cpu); the loss upstream logs
+  flags, shrunk (on the CPU with the substitutions of megaport.cpu_substitutions); the loss upstream logs
   must fall and match the unported upstream commit with its fusions off. Trees without the
   script (PyPI's megatron-core) train through upstream's builders in-process instead.
+
+The suite's own helpers, one concern each: ``_session.py`` (the run's settings, kept on pytest's
+config), ``_guard.py`` (the import guard and its raising stand-ins), ``_locate.py`` (the tree's own
+modules, and where in the tree an error was raised), ``_era.py`` (what the era has: the unported
+upstream commit decides), ``_verdicts.py`` (skip or fail when tree code cannot import or run here),
+``_backend.py`` (the tree's ``--distributed-backend`` default), ``_launch.py`` and
+``_dist_worker.py`` (the 2-rank run), ``_fork.py`` (Megatron-DeepSpeed trees).
 """
 
 from pathlib import Path

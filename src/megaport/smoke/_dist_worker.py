@@ -23,9 +23,9 @@ from pathlib import Path
 
 
 def _blocked_loaded():
-    from megaport.smoke import _tree
+    from megaport.smoke import _guard
 
-    return _tree.blocked_modules_loaded()
+    return _guard.blocked_modules_loaded()
 
 
 _TREE: list = []  # the tree under test, for failure()
@@ -33,11 +33,11 @@ _TREE: list = []  # the tree under test, for failure()
 
 def failure(exc: BaseException) -> dict:
     """A check's entry for ``exc``; a third-party package the machine lacks carries the suite's
-    one line for it (megaport.smoke._tree.missing_dependency)."""
+    one line for it (megaport.smoke._verdicts.missing_dependency)."""
     entry = {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-    from megaport.smoke import _tree
+    from megaport.smoke import _verdicts
 
-    judged = _tree.missing_dependency(exc, _TREE[0]) if _TREE else None
+    judged = _verdicts.missing_dependency(exc, _TREE[0]) if _TREE else None
     if judged is not None:
         entry["missing_dependency"] = list(judged)
     return entry
@@ -75,11 +75,11 @@ def _arguments():
 def _tree_rocm_port(results: dict):
     """The tree's rocm_port and its backend resolver. A tree without it, or without the resolver, is
     a broken port (reported under "rocm_port"; every test fails with it), never a run "as given"."""
-    from megaport.smoke import _tree
+    from megaport.smoke import _locate
 
     rocm_port, resolve = None, None
     try:
-        rocm_port, why = _tree.import_first(_tree.ROCM_PORT_MODULES)
+        rocm_port, why = _locate.import_first(_locate.ROCM_PORT_MODULES)
         resolve = getattr(rocm_port, "resolve_distributed_backend", None)
         if rocm_port is None:
             results["rocm_port"] = {"ok": False, "detail": f"the tree has no rocm_port module ({why})"}
@@ -108,9 +108,9 @@ def _start_process_group(results, torch, dist, args, rank, local_rank):
     else:
         # CPU tensors: the groups the tree creates with an explicit nccl backend (2025's pipeline
         # groups) are gloo's too, as in the CPU training run.
-        from megaport.train.cpu import use_gloo
+        from megaport import cpu_substitutions
 
-        use_gloo(torch)
+        cpu_substitutions.install(torch, "process-group")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=90))
     results["backend"]["initialised"] = dist.get_backend()
     return device
@@ -169,9 +169,9 @@ def main() -> int:
     results: dict = {"rank": rank, "world_size": world}
     if args.device == "cpu":
         # Before the tree's first import: a fork tree builds CUDA tensors at import.
-        from megaport.deepspeed_fork import install_cpu_check_substitution
+        from megaport import cpu_substitutions
 
-        install_cpu_check_substitution(tree, torch)
+        cpu_substitutions.install(torch, "fork-checks", tree=tree)
     device = _start_process_group(results, torch, dist, args, rank, int(os.environ.get("LOCAL_RANK", rank)))
     _collectives(results, torch, dist, rank, world, device)
     try:

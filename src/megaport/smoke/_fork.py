@@ -63,7 +63,7 @@ def era_fuses_wgrad(upstream, tree) -> tuple[bool, str | None]:
     than switch it to the fork's "never fuses" expectations. Where upstream cannot be read the
     ported tree answers, and a "never" from it comes with the note that ``verify --strict``
     counts; ``(fuses, note or None)``."""
-    from megaport.smoke._tree import TP_LAYERS
+    from megaport.smoke._locate import TP_LAYERS
 
     if upstream is not None and upstream.available:
         for path in TP_LAYERS:

@@ -15,57 +15,13 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from megaport.smoke import _tree
+from megaport.smoke import _backend, _era, _guard, _locate, _session, _verdicts
 
 DEVICES = ("cpu", "cuda", "hip")
-
-
-@dataclass
-class Smoke:
-    """What every test needs to know about the run."""
-
-    tree: Path
-    device_kind: str
-    fully_masked_rows_are_zero: bool
-    series: str
-    state: dict
-    stand_ins: Path
-    results: Path | None
-    facts: dict = field(default_factory=dict)
-    upstream: _tree.Upstream | None = None
-
-    def era_has(self, path: str) -> bool:
-        """Whether the tree's era has the file or directory ``path``: upstream's answer, the tree's
-        only where upstream cannot be read (that fallback is reported as ``era_unverified``)."""
-        found = self.upstream.has(path) if self.upstream is not None else None
-        if found is None:
-            found = (self.tree / path).exists()
-            note = f"{path} taken as absent from the era, from the ported tree"
-            unverified = self.facts.setdefault("era_unverified", [])
-            if not found and note not in unverified:
-                unverified.append(note)
-        return found
-
-    @property
-    def gpu(self) -> bool:
-        return self.device_kind != "cpu"
-
-    def torch_device(self):
-        import torch
-
-        return torch.device("cuda", 0) if self.gpu else torch.device("cpu")
-
-    def subprocess_env(self) -> dict:
-        return _tree.env_with_paths(self.tree, self.stand_ins)
-
-
-SMOKE_KEY = _tree.SMOKE_KEY
-RESULTS_KEY = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser):
@@ -96,14 +52,14 @@ def pytest_configure(config):
     rows = config.getoption("--megaport-masked-rows")
     if rows is None:
         rows = _masked_rows_from_catalogue(state.get("series"))
-    stand_ins = _tree.write_stand_ins(Path(tempfile.mkdtemp(prefix="megaport-stand-ins-")))
+    stand_ins = _guard.write_stand_ins(Path(tempfile.mkdtemp(prefix="megaport-stand-ins-")))
     # The tree first, then the raising stand-ins, then everything installed.
     for entry in (str(stand_ins), str(tree)):
         if entry in sys.path:
             sys.path.remove(entry)
         sys.path.insert(0, entry)
     results = config.getoption("--megaport-results")
-    smoke = Smoke(
+    smoke = _session.Smoke(
         tree=tree,
         device_kind=config.getoption("--megaport-device"),
         fully_masked_rows_are_zero=rows == "zero",
@@ -111,26 +67,27 @@ def pytest_configure(config):
         state=state,
         stand_ins=stand_ins,
         results=Path(results) if results else None,
-        upstream=_tree.Upstream(tree, state),
+        upstream=_era.Upstream(tree, state),
     )
-    config.stash[_tree.SMOKE_KEY] = smoke
+    config.stash[_session.SMOKE_KEY] = smoke
     if not smoke.gpu:
         _cpu_check_substitutions(smoke)
-    config.stash[RESULTS_KEY] = {"tests": {}, "started": time.time(), "preloaded": _tree.blocked_modules_loaded()}
+    config.stash[_session.RESULTS_KEY] = {"tests": {}, "started": time.time(),
+                                          "preloaded": _guard.blocked_modules_loaded()}
 
 
-def _cpu_check_substitutions(smoke: Smoke) -> None:
+def _cpu_check_substitutions(smoke: _session.Smoke) -> None:
     """Before any tree import: what a CPU check of this tree must substitute for the whole
     session (a fork tree's import-time CUDA tensors), listed in the report."""
     if importlib.util.find_spec("torch") is None:
         return  # the torch fixture reports it
     import torch
 
-    from megaport.deepspeed_fork import install_cpu_check_substitution
+    from megaport import cpu_substitutions
 
-    line = install_cpu_check_substitution(smoke.tree, torch)
-    if line:
-        smoke.facts["cpu_check_substitutions"] = [line]
+    lines = cpu_substitutions.install(torch, "fork-checks", tree=smoke.tree).lines
+    if lines:
+        smoke.facts["cpu_check_substitutions"] = lines
 
 
 def _masked_rows_from_catalogue(series: str | None) -> str:
@@ -145,7 +102,7 @@ def pytest_unconfigure(config):
     from megaport.smoke import _launch
 
     _launch.stop_all()
-    smoke = config.stash.get(_tree.SMOKE_KEY, None)
+    smoke = config.stash.get(_session.SMOKE_KEY, None)
     if smoke is not None:
         shutil.rmtree(smoke.stand_ins, ignore_errors=True)
         if smoke.upstream is not None:
@@ -153,7 +110,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_report_header(config):
-    smoke = config.stash[_tree.SMOKE_KEY]
+    smoke = config.stash[_session.SMOKE_KEY]
     rows = "zero" if smoke.fully_masked_rows_are_zero else "uniform"
     return [f"megaport smoke: tree {smoke.tree}, device {smoke.device_kind}, series {smoke.series}, "
             f"fully masked rows {rows}"]
@@ -196,7 +153,7 @@ def _deselect(config, items, unwanted, fact: str) -> None:
     if unwanted:
         items[:] = [item for item in items if item not in unwanted]
         config.hook.pytest_deselected(items=unwanted)
-        config.stash[_tree.SMOKE_KEY].facts[fact] = [item.nodeid for item in unwanted]
+        config.stash[_session.SMOKE_KEY].facts[fact] = [item.nodeid for item in unwanted]
 
 
 def _era_lacks(smoke, items) -> tuple[list, list]:
@@ -224,7 +181,7 @@ def _era_lacks(smoke, items) -> tuple[list, list]:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)  # stable: pytest's order within each file is kept
-    smoke = config.stash[_tree.SMOKE_KEY]
+    smoke = config.stash[_session.SMOKE_KEY]
     # A feature the era does not have (gradient-accumulation fusion before 2022-02, say) has
     # nothing to test: deselected and listed, never skipped, so a healthy tree skips nothing.
     lacking, unverified = _era_lacks(smoke, items)
@@ -244,7 +201,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the 2-rank run now when its tests were collected: it imports while the rest runs."""
-    smoke = session.config.stash[_tree.SMOKE_KEY]
+    smoke = session.config.stash[_session.SMOKE_KEY]
     if session.config.option.collectonly:
         return
     if any(item.nodeid.startswith("test_distributed.py") and "[gloo]" in item.nodeid for item in session.items):
@@ -254,8 +211,8 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(scope="session")
-def smoke(request) -> Smoke:
-    return request.config.stash[_tree.SMOKE_KEY]
+def smoke(request) -> _session.Smoke:
+    return request.config.stash[_session.SMOKE_KEY]
 
 
 @pytest.fixture(scope="session")
@@ -270,7 +227,7 @@ def device(smoke, torch_module):
 
 @pytest.fixture(scope="session")
 def rocm_port(smoke):
-    module, reason = _tree.import_first_or_skip(_tree.ROCM_PORT_MODULES, "the tree", smoke.tree)
+    module, reason = _verdicts.import_first_or_skip(_locate.ROCM_PORT_MODULES, "the tree", smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no rocm_port module ({reason}): the series did not apply")
     return module
@@ -280,7 +237,7 @@ def rocm_port(smoke):
 def fused_softmax(smoke, rocm_port):
     """The tree's fused_softmax module: every era has one (megatron/model/fused_softmax.py from
     v2.0), and the port's softmax runs in it, so a tree without one fails like one without rocm_port."""
-    module, reason = _tree.import_first_or_skip(_tree.FUSED_SOFTMAX_MODULES, "the tree", smoke.tree)
+    module, reason = _verdicts.import_first_or_skip(_locate.FUSED_SOFTMAX_MODULES, "the tree", smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no fused_softmax module ({reason}): the port's softmax has nowhere to run",
                     pytrace=False)
@@ -299,14 +256,14 @@ def process_group(smoke, torch_module, rocm_port):
     import torch.distributed as dist
 
     # megatron.core.parallel_state from 2022-11; megatron.mpu, with the same functions, before.
-    module, reason = _tree.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree",
-                                                smoke.tree)
+    module, reason = _verdicts.import_first_or_skip(("megatron.core.parallel_state", "megatron.mpu"), "the tree",
+                                                    smoke.tree)
     if module is None:
         pytest.fail(f"the tree has no model-parallel state module ({reason})", pytrace=False)
     parallel_state = module
-    name, source = _tree.distributed_backend_default(smoke.tree, smoke.upstream)
+    name, source = _backend.distributed_backend_default(smoke.tree, smoke.upstream)
     chosen = name if smoke.gpu else "gloo"
-    backend = _tree.port_name(rocm_port, "resolve_distributed_backend")(chosen)
+    backend = _verdicts.port_name(rocm_port, "resolve_distributed_backend")(chosen)
     smoke.facts["process_group"] = {"tree_default": name, "default_from": source, "chosen": chosen, "torch_backend": backend}
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -316,10 +273,10 @@ def process_group(smoke, torch_module, rocm_port):
         torch_module.cuda.set_device(0)
     else:
         # The groups the tree creates with an explicit nccl backend (2025's pipeline groups) are
-        # gloo's on the CPU, as in the CPU training run (megaport.train.cpu.use_gloo).
-        from megaport.train.cpu import use_gloo
+        # gloo's on the CPU, as in the CPU training run.
+        from megaport import cpu_substitutions
 
-        undo = use_gloo(torch_module)
+        undo = cpu_substitutions.install(torch_module, "process-group").undo
     dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -341,20 +298,20 @@ def process_group(smoke, torch_module, rocm_port):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    before = set(_tree.blocked_modules_loaded())
+    before = set(_guard.blocked_modules_loaded())
     try:
         result = yield
     except ModuleNotFoundError as exc:
         # Tree code that needs a third-party package this machine lacks, met anywhere in a test:
-        # the same one line as every other test that meets it (_tree.missing_dependency).
-        judged = _tree.missing_dependency(exc, item.config.stash[_tree.SMOKE_KEY].tree)
+        # the same one line as every other test that meets it (_verdicts.missing_dependency).
+        judged = _verdicts.missing_dependency(exc, item.config.stash[_session.SMOKE_KEY].tree)
         if judged is None:
             raise
         verdict, line = judged
         if verdict == "fail":
             pytest.fail(line, pytrace=False)
         pytest.skip(line)
-    loaded = sorted(set(_tree.blocked_modules_loaded()) - before)
+    loaded = sorted(set(_guard.blocked_modules_loaded()) - before)
     if loaded:
         pytest.fail(f"import guard: {', '.join(loaded)} got loaded during this test; "
                     "the port must keep apex, amp_C and the *_cuda extensions out", pytrace=False)
@@ -384,7 +341,7 @@ def pytest_runtest_logreport(report):
     config = _CONFIG.get("config")
     if config is None:
         return
-    tests = config.stash[RESULTS_KEY]["tests"]
+    tests = config.stash[_session.RESULTS_KEY]["tests"]
     entry = tests.setdefault(report.nodeid, {"name": report.nodeid, "outcome": "passed", "duration": 0.0})
     entry["duration"] += report.duration
     if report.when == "call":
@@ -411,10 +368,10 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    smoke = config.stash.get(_tree.SMOKE_KEY, None)
+    smoke = config.stash.get(_session.SMOKE_KEY, None)
     if smoke is None or smoke.results is None:
         return
-    results = config.stash[RESULTS_KEY]
+    results = config.stash[_session.RESULTS_KEY]
     tests = list(results["tests"].values())
     for entry in tests:
         entry["duration"] = round(entry["duration"], 4)

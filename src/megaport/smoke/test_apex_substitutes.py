@@ -14,15 +14,15 @@ import inspect
 
 import pytest
 
-from megaport.smoke import _tree
-from megaport.train import harness
+from megaport import cpu_substitutions
+from megaport.smoke import _era, _guard, _locate, _verdicts
 
 torch = pytest.importorskip("torch")
 
 
-port_name = _tree.port_name  # rocm_port's names: missing is a broken port
-era_name = _tree.era_name  # upstream's names: missing fails where upstream has it
-era_module = _tree.era_module  # upstream's modules: the same
+port_name = _verdicts.port_name  # rocm_port's names: missing is a broken port
+era_name = _era.era_name  # upstream's names: missing fails where upstream has it
+era_module = _era.era_module  # upstream's modules: the same
 
 
 def params_and_grads(device, dtype=torch.float32, seed=0):
@@ -112,13 +112,13 @@ def call_or_skip_cuda_only(smoke, fn, *args, **kwargs):
     (the substitution is reported); anything else CUDA-only skips, naming the line."""
     placement = contextlib.nullcontext()
     if not smoke.gpu:
-        substitutions = smoke.facts.setdefault("grad_helpers_cpu_substitutions", [])
-        placement = harness.cpu_device_placement(torch, substitutions)
+        placement = cpu_substitutions.install(torch, "placement")
+        placement.tell(smoke.facts.setdefault("grad_helpers_cpu_substitutions", []))
     try:
         with placement:
             return fn(*args, **kwargs)
     except (AssertionError, RuntimeError) as exc:
-        reason = _tree.cuda_only_reason(exc, smoke.tree)
+        reason = _verdicts.cuda_only_reason(exc, smoke.tree)
         if reason and not smoke.gpu:
             pytest.skip(reason)
         raise
@@ -129,7 +129,7 @@ def test_grad_norm_helper_matches_torch(smoke, rocm_port, device, which):
     applier, l2norm, _ = multi_tensor_helpers(smoke, which, rocm_port)
     label = f"{which} ({getattr(l2norm, '__module__', '?')}.{getattr(l2norm, '__name__', '?')})"
     origin = getattr(l2norm, "__module__", "") or ""
-    assert not _tree.is_blocked(origin), f"{label} comes from {origin}"
+    assert not _guard.is_blocked(origin), f"{label} comes from {origin}"
     gen = torch.Generator().manual_seed(3)
     tensors = [torch.randn(s, generator=gen).to(device) for s in ((64, 3), (17,), (5, 5, 5))]
     tensors.append(torch.randn(33, generator=gen).to(torch.bfloat16).to(device))
@@ -182,7 +182,7 @@ def test_optimizer_copies_main_params_to_model_params(smoke, device):
         call_or_skip_cuda_only(smoke, copy, this, that, overflow_buf)  # v2.0 allocates torch.cuda.IntTensor
     except RuntimeError as exc:
         pytest.fail(f"the fp16 optimizer's main->model parameter copy fails: {exc} "
-                    f"({_tree.tree_frame(exc, smoke.tree)})", pytrace=False)
+                    f"({_locate.tree_frame(exc, smoke.tree)})", pytrace=False)
     for a, b in zip(this, that):
         assert torch.equal(b, a.half()), "main->model parameter copy gave other values"
 
@@ -225,8 +225,8 @@ def test_megatron_grad_norm_fp32(smoke, device, process_group):
 def test_layer_norm_affine_function_matches_torch(smoke, rocm_port, device, dtype_id):
     """The FusedLayerNormAffineFunction the tree's fused_layer_norm module uses (fwd and bwd)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_id]
-    module, _ = _tree.import_first(("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
-                                    "megatron.legacy.model.fused_layer_norm"))
+    module, _ = _locate.import_first(("megatron.core.fusions.fused_layer_norm", "megatron.model.fused_layer_norm",
+                                      "megatron.legacy.model.fused_layer_norm"))
     fn = getattr(module, "FusedLayerNormAffineFunction", None) if module else None
     fn = fn or port_name(rocm_port, "FusedLayerNormAffineFunction")
     if module is not None and getattr(module, "fused_mix_prec_layer_norm_cuda", False) is None:
@@ -280,7 +280,7 @@ def test_fused_layer_norm_module_matches_torch(smoke, device):
 
     set_default_args(smoke.tree)  # the DeepSpeed fork's layer norms read Megatron's global args
     # Which of them the era has is upstream's answer: one the port lost fails in era_module.
-    names = [n for n in LAYER_NORM_MODULES if smoke.era_has(_tree.module_path(n)[0])]
+    names = [n for n in LAYER_NORM_MODULES if smoke.era_has(_locate.module_path(n)[0])]
     if not names:
         pytest.fail(f"the era has none of {', '.join(LAYER_NORM_MODULES)}", pytrace=False)
     for name in names:
@@ -322,7 +322,7 @@ def test_mix_prec_layer_norm_stand_in_matches_autograd(rocm_port, device):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.in_upstream("gradient_accumulation_fusion", *_tree.TP_LAYERS)  # 2022-02 on
+@pytest.mark.in_upstream("gradient_accumulation_fusion", *_locate.TP_LAYERS)  # 2022-02 on
 @pytest.mark.parametrize("main_grad_dtype", ["fp32", "bf16"])
 def test_weight_gradient_accumulation_matches_matmul(smoke, rocm_port, device, main_grad_dtype):
     """The wgrad_gemm_accum functions tensor_parallel/layers.py calls: main_grad += g^T x."""

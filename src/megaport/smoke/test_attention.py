@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from megaport.smoke import _tree
+from megaport.smoke import _era, _verdicts
 from megaport.smoke import reference as ref
 
 torch = pytest.importorskip("torch")
@@ -62,7 +62,7 @@ def expected(q, k, v, grad, scale, causal, mask, zero):
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_sdpa_core_attention_matches_fp64_reference(smoke, rocm_port, device, kind, dtype_id, layout):
-    sdpa = _tree.port_name(rocm_port, "sdpa_core_attention")
+    sdpa = _verdicts.port_name(rocm_port, "sdpa_core_attention")
     q, k, v, mask, grad = inputs(layout, DTYPES[dtype_id], device)
     scale = 1 / math.sqrt(q.shape[-1])
     given = mask if kind == "padding" else None
@@ -122,11 +122,11 @@ def _check_routed(smoke, cls, fused_softmax, device, *, softmax_scale):
 
 @pytest.mark.in_upstream("class DotProductAttention", "megatron/core/transformer/dot_product_attention.py")
 def test_dot_product_attention_runs_through_sdpa(smoke, rocm_port, fused_softmax, device):
-    module = _tree.era_module(smoke, "megatron.core.transformer.dot_product_attention")
+    module = _era.era_module(smoke, "megatron.core.transformer.dot_product_attention")
     _check_routed(smoke, module.DotProductAttention, fused_softmax, device, softmax_scale=True)
 
 
 @pytest.mark.in_upstream("class CoreAttention", "megatron/legacy/model/transformer.py", "megatron/model/transformer.py")
 def test_legacy_core_attention_runs_through_sdpa(smoke, rocm_port, fused_softmax, device):
-    module = _tree.era_module(smoke, "megatron.legacy.model.transformer", "megatron.model.transformer")
+    module = _era.era_module(smoke, "megatron.legacy.model.transformer", "megatron.model.transformer")
     _check_routed(smoke, module.CoreAttention, fused_softmax, device, softmax_scale=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaport.smoke import _launch, _tree
+from megaport.smoke import _backend, _launch, _locate, _session, _verdicts
 
 RANKS = _launch.RANKS
 
@@ -22,14 +22,14 @@ def variants(smoke) -> list[str]:
 
 def pytest_generate_tests(metafunc):
     if "run" in metafunc.fixturenames:
-        metafunc.parametrize("run", variants(metafunc.config.stash[_tree.SMOKE_KEY]), indirect=True, scope="module")
+        metafunc.parametrize("run", variants(metafunc.config.stash[_session.SMOKE_KEY]), indirect=True, scope="module")
 
 
 def launch_args(smoke, variant: str, torch_module=None):
     """(backend, device kind) of a variant, or a skip reason."""
     if variant == "gloo":
         return "gloo", "cpu"
-    name, _ = _tree.distributed_backend_default(smoke.tree, smoke.upstream)
+    name, _ = _backend.distributed_backend_default(smoke.tree, smoke.upstream)
     if torch_module is not None:
         count = torch_module.cuda.device_count()
         if count < RANKS:
@@ -40,7 +40,7 @@ def launch_args(smoke, variant: str, torch_module=None):
 
 @pytest.fixture(scope="module")
 def backend_choice(smoke, rocm_port, torch_module):
-    return _tree.distributed_backend_default(smoke.tree, smoke.upstream)
+    return _backend.distributed_backend_default(smoke.tree, smoke.upstream)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def run(request, smoke, torch_module):
 def test_tree_resolves_the_backend(smoke, rocm_port, backend_choice, torch_module):
     """The tree's default and resolution: 'rccl' → torch 'nccl' (RCCL) on ROCm, 'nccl' on CUDA."""
     name, source = backend_choice
-    resolve = _tree.port_name(rocm_port, "resolve_distributed_backend")
-    _tree.port_name(rocm_port, "default_distributed_backend")  # the default of trees without megatron/training
+    resolve = _verdicts.port_name(rocm_port, "resolve_distributed_backend")
+    _verdicts.port_name(rocm_port, "default_distributed_backend")  # the default of trees without megatron/training
     assert resolve("gloo") == "gloo"
     assert resolve("rccl", rank=1) == "nccl", "'rccl' must resolve to torch's 'nccl' backend (RCCL on ROCm)"
     hip = getattr(torch_module.version, "hip", None)
@@ -71,7 +71,7 @@ def test_tree_resolves_the_backend(smoke, rocm_port, backend_choice, torch_modul
 def _rank_port(result, entry=None):
     """What a rank reported of the tree's rocm_port (the backend's resolution) and of ``entry``: a
     third-party package the machine lacks gives the same one line as every test that meets it in
-    process (_tree.missing_dependency); a rocm_port the rank could not import fails."""
+    process (_verdicts.missing_dependency); a rocm_port the rank could not import fails."""
     port = result.get("rocm_port") or {"ok": False, "detail": "the rank reported nothing of rocm_port"}
     for found in (port, entry or {}):
         if found.get("missing_dependency"):
@@ -111,7 +111,7 @@ def test_row_parallel_linear_tp2_matches_unsharded(run):
     _check(run, "row_parallel_linear")
 
 
-@pytest.mark.in_upstream("gradient_accumulation_fusion", *_tree.TP_LAYERS)  # 2022-02 on
+@pytest.mark.in_upstream("gradient_accumulation_fusion", *_locate.TP_LAYERS)  # 2022-02 on
 def test_gradient_accumulation_fusion_tp2(run):
     _check(run, "gradient_accumulation_fusion")
 

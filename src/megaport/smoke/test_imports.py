@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from megaport.smoke import _tree
+from megaport.smoke import _guard, _locate, _session, _verdicts
 
 
 def _touched(config) -> list:
     """One parameter per .py file the series touched: its module name, or the path itself when it
     is no importable name (then it must compile)."""
-    smoke = config.stash[_tree.SMOKE_KEY]
+    smoke = config.stash[_session.SMOKE_KEY]
     params = []
     for path in smoke.state.get("files", []):
         if not path.endswith(".py"):
             continue
-        name = _tree.module_name(path) or path
+        name = _locate.module_name(path) or path
         params.append(pytest.param(name, id=name))
     return params
 
@@ -39,7 +39,7 @@ def pytest_generate_tests(metafunc):
 def test_rocm_port_has_every_name_of_the_port(smoke, rocm_port):
     """rocm_port.py is rendered the same for every era but two constants: every name of the port's
     interface (``__all__`` of megaport's source, read as text, never imported) is in the tree's."""
-    source = Path(_tree.__file__).resolve().parents[1] / "replacements" / "rocm_port.py"
+    source = Path(_locate.__file__).resolve().parents[1] / "replacements" / "rocm_port.py"
     names = _port_interface(source.read_text(encoding="utf-8"))
     assert names, f"no __all__ in {source}"
     missing = [name for name in names if not hasattr(rocm_port, name)]
@@ -60,11 +60,11 @@ def test_tree_code_is_what_runs(smoke, rocm_port):
     """megatron comes from the tree under test, not from an installed megatron-core."""
     if smoke.era_has("megatron/core"):
         importlib.import_module("megatron.core")
-    assert _tree.is_under(rocm_port, smoke.tree), (
+    assert _locate.is_under(rocm_port, smoke.tree), (
         f"rocm_port was imported from {rocm_port.__file__}, not from the tree {smoke.tree}")
     module = sys.modules.get("megatron.core")
     if module is not None and getattr(module, "__file__", None):
-        assert _tree.is_under(module, smoke.tree), (
+        assert _locate.is_under(module, smoke.tree), (
             f"megatron.core was imported from {module.__file__}, not from {smoke.tree}: "
             "an installed megatron-core shadows the tree")
     assert "megaport.replacements.rocm_port" not in sys.modules, "megaport's own copy of the replacements was imported"
@@ -91,13 +91,13 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
     name = touched_module
     if name is None:
         pytest.fail("state.json lists no .py file the series touched: every series adds rocm_port.py", pytrace=False)
-    path = next(p for p in smoke.state["files"] if (_tree.module_name(p) or p) == name)
+    path = next(p for p in smoke.state["files"] if (_locate.module_name(p) or p) == name)
     if not (smoke.tree / path).is_file():
         # Nothing to import where the series removed it; a file the tree lost since fails.
         if not _removed_by_the_series(smoke, path):
             pytest.fail(f"{path}, which the series touched, is missing from the tree (git status)", pytrace=False)
         return
-    if _tree.module_name(path) is None:
+    if _locate.module_name(path) is None:
         # No importable name (a dash, say): it must at least compile.
         source = (smoke.tree / path).read_text(encoding="utf-8", errors="replace")
         compile(source, path, "exec")
@@ -109,44 +109,44 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
         module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
-        where = _tree.tree_frame(exc, smoke.tree)
-        if _tree.is_blocked(missing):
+        where = _locate.tree_frame(exc, smoke.tree)
+        if _guard.is_blocked(missing):
             pytest.fail(f"importing {name} needs {missing}, which the port blocks "
                         f"(apex/amp_C/*_cuda are not allowed): {where or exc}", pytrace=False)
         if missing.partition(".")[0] == "megatron":
             pytest.fail(f"importing {name} fails inside the tree: {exc} ({where})", pytrace=False)
-        verdict, line = _tree.missing_dependency(exc, smoke.tree)
+        verdict, line = _verdicts.missing_dependency(exc, smoke.tree)
         if verdict == "fail":
             pytest.fail(f"importing {name} {line}", pytrace=False)
         pytest.skip(line)
     except ImportError as exc:
         culprit = exc.name or ""
-        where = _tree.tree_frame(exc, smoke.tree)
-        if _tree.is_blocked(culprit):
+        where = _locate.tree_frame(exc, smoke.tree)
+        if _guard.is_blocked(culprit):
             pytest.fail(f"importing {name} reached {culprit}: {exc} ({where})", pytrace=False)
         if culprit and culprit.partition(".")[0] != "megatron":
-            verdict, why = _tree.missing_import_verdict(culprit)
+            verdict, why = _verdicts.missing_import_verdict(culprit)
             if verdict == "fail":
                 pytest.fail(f"importing {name}: {exc}; {culprit} is part of the target stack, so old "
                             f"upstream code the port must update ({where})", pytrace=False)
             pytest.skip(f"{why}: {exc}")
         pytest.fail(f"importing {name} failed: {exc} ({where})", pytrace=False)
     except RuntimeError as exc:
-        where = _tree.tree_frame(exc, smoke.tree)
-        if _tree.STAND_IN_MARK in str(exc):
+        where = _locate.tree_frame(exc, smoke.tree)
+        if _guard.STAND_IN_MARK in str(exc):
             pytest.fail(f"importing {name} loaded a blocked module past the port's import blocker: "
                         f"{exc} ({where})", pytrace=False)
-        reason = _tree.cuda_only_reason(exc, smoke.tree)
+        reason = _verdicts.cuda_only_reason(exc, smoke.tree)
         if reason and not smoke.gpu:
             pytest.skip(reason)
         raise
     except AssertionError as exc:
-        reason = _tree.cuda_only_reason(exc, smoke.tree)
+        reason = _verdicts.cuda_only_reason(exc, smoke.tree)
         if reason and not smoke.gpu:
             pytest.skip(reason)
         raise
-    assert _tree.is_under(module, smoke.tree), f"{name} came from {module.__file__}, not from the tree"
-    loaded = _tree.blocked_modules_loaded()
+    assert _locate.is_under(module, smoke.tree), f"{name} came from {module.__file__}, not from the tree"
+    loaded = _guard.blocked_modules_loaded()
     assert not loaded, f"after importing {name}: {', '.join(loaded)} in sys.modules"
 
 
@@ -158,7 +158,7 @@ def test_import_blocker_refuses(blocked, rocm_port):
     except ImportError as exc:
         assert "rocm_port" in str(exc) or "ROCm port" in str(exc), f"'import {blocked}' failed, but not by the port's blocker: {exc}"
     except RuntimeError as exc:
-        assert _tree.STAND_IN_MARK not in str(exc), (
+        assert _guard.STAND_IN_MARK not in str(exc), (
             f"'import {blocked}' reached the installed module: the port's import blocker is not active")
         raise
     else:
@@ -172,6 +172,6 @@ def test_apex_stays_out_of_a_full_megatron_core_import(smoke, rocm_port):
     names = ["megatron.core"] if smoke.era_has("megatron/core") else ["megatron", "megatron.model", "megatron.mpu"]
     for name in names:
         importlib.import_module(name)
-    loaded = _tree.blocked_modules_loaded()
+    loaded = _guard.blocked_modules_loaded()
     assert not loaded, f"{', '.join(loaded)} loaded by importing {', '.join(names)}"
     assert Path(rocm_port.__file__).name == "rocm_port.py"

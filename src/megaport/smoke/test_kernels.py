@@ -12,7 +12,7 @@ import inspect
 
 import pytest
 
-from megaport.smoke import _tree
+from megaport.smoke import _locate
 from megaport.smoke import reference as ref
 
 torch = pytest.importorskip("torch")
@@ -282,7 +282,8 @@ class _Recorded:
 
 
 # bf16 training arrived in 2021-02 (input_in_bf16); before, fp16 is the one fused dtype.
-_BF16_IN_ERA = pytest.mark.in_upstream("input_in_bf16", *(n.replace(".", "/") + ".py" for n in _tree.FUSED_SOFTMAX_MODULES))
+_BF16_IN_ERA = pytest.mark.in_upstream("input_in_bf16",
+                                       *(n.replace(".", "/") + ".py" for n in _locate.FUSED_SOFTMAX_MODULES))
 
 
 @pytest.mark.parametrize("kind", ["causal", "padding"])

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from megaport.smoke import _tree
-from megaport.train import baseline, harness, parity, pretrain
+from megaport.smoke import _locate, _session
+from megaport.train import baseline, parity, pretrain
+from megaport.train.harness import launcher
 from megaport.train.families import registry
 
 MIN_LOGGED = parity.MIN_COMPARED  # iterations with a loss (fp16's loss-scale search skips the first ~16)
@@ -44,7 +45,7 @@ HARNESS_STEPS = 48
 def pytest_generate_tests(metafunc):
     """One test of each kind per family: those ``--megaport-models`` names, else all the tree has."""
     if "family" in metafunc.fixturenames:
-        smoke = metafunc.config.stash[_tree.SMOKE_KEY]
+        smoke = metafunc.config.stash[_session.SMOKE_KEY]
         names = metafunc.config.getoption("--megaport-models")
         chosen = [f.name for f in registry.select(str(smoke.tree), names)]
         metafunc.parametrize("family", chosen, ids=chosen, scope="module")
@@ -64,7 +65,7 @@ def _pretrain_run(smoke, family: str, mode: str = "ported") -> pretrain.Run:
 
 
 def _harness(smoke, tree, mode, env):
-    return harness.run_in_subprocess(tree, mode, env=env, steps=HARNESS_STEPS, device="cuda" if smoke.gpu else "cpu")
+    return launcher.run_in_subprocess(tree, mode, env=env, steps=HARNESS_STEPS, device="cuda" if smoke.gpu else "cpu")
 
 
 def _facts(smoke, family: str) -> dict:
@@ -113,7 +114,7 @@ def test_trains_through_upstreams_entry_point_with_the_example_flags(smoke, fami
     assert last < first, (f"loss did not fall (mean of the first {window} {first:.4f}, of the last {window} "
                           f"{last:.4f}): {[round(v, 3) for v in losses]}")
     if ported_run["entry_point"] == "harness":
-        assert _tree.is_under_path(Path(ported_run["megatron_core"]), smoke.tree), (
+        assert _locate.is_under_path(Path(ported_run["megatron_core"]), smoke.tree), (
             f"the run imported megatron.core from {ported_run['megatron_core']}, not from the tree")
         assert ported_run["fusions_after_config"].get("masked_softmax_fusion", True), \
             "masked_softmax_fusion was switched off: the port's softmax never ran"
@@ -129,8 +130,8 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, family, ported_r
             shims = base["baseline_shims"]
             compared = parity.loss_parity(ported_run, base)
         else:
-            base, shims = harness.upstream_baseline(smoke.tree, sha, steps=HARNESS_STEPS,
-                                                    device="cuda" if smoke.gpu else "cpu")
+            base, shims = launcher.upstream_baseline(smoke.tree, sha, steps=HARNESS_STEPS,
+                                                     device="cuda" if smoke.gpu else "cpu")
             steps = list(range(1, HARNESS_STEPS + 1))  # the harness logs every step
             compared = parity.loss_parity(dict(ported_run, iterations=steps), dict(base, iterations=steps))
     except RuntimeError as exc:

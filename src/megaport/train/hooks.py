@@ -43,3 +43,12 @@ def after_import(fullname: str, step) -> None:
         sys.meta_path.insert(0, _AfterImport(fullname, step))
     elif step not in finder.steps:
         finder.steps.append(step)
+
+
+def forget(fullname: str, step) -> None:
+    """Take back ``step`` for ``fullname`` (the CPU substitutions' undo); a finder left without steps goes."""
+    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport) and f.fullname == fullname]:
+        if step in finder.steps:
+            finder.steps.remove(step)
+        if not finder.steps:
+            sys.meta_path.remove(finder)

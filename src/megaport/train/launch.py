@@ -4,10 +4,10 @@
 
 ``--list-options`` first prints the options of the script's argument parser instead of running it.
 
-With ``--cpu`` the CUDA-only plumbing is substituted first (:mod:`megaport.train.cpu`). When the
-script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on a GPU
-(upstream's own memory report comes after the first iteration, before fp16's skipped steps end
-and the optimizer's state exists), the process's peak RSS on the CPU.
+With ``--cpu`` the CUDA-only plumbing is substituted first (:mod:`megaport.cpu_substitutions`).
+When the script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on
+a GPU (upstream's own memory report comes after the first iteration, before fp16's skipped steps
+end and the optimizer's state exists), the process's peak RSS on the CPU.
 """
 
 from __future__ import annotations
@@ -57,16 +57,12 @@ def main(argv=None) -> int:
 
     placement = contextlib.nullcontext()
     if cpu:
-        from megaport.train import cpu as substitutions
+        from megaport import cpu_substitutions
 
-        placement = substitutions.install(torch)
-        lines = list(substitutions.SUBSTITUTIONS)
-        from megaport import deepspeed_fork
-
-        if deepspeed_fork.is_deepspeed_tree(os.path.dirname(os.path.abspath(argv[0]))):
-            lines.append(deepspeed_fork.install_cpu_substitution())
-        for line in lines:
-            print(f"{substitutions.MARK} {line}", flush=True)
+        tree = os.path.dirname(os.path.abspath(argv[0]))
+        for line in cpu_substitutions.install(torch, "training", "deepspeed", tree=tree).lines:
+            print(f"{cpu_substitutions.MARK} {line}", flush=True)
+        placement = cpu_substitutions.install(torch, "placement-mode")  # taken back when the script returns
     if listing:
         _report_options()
     script = os.path.abspath(argv[0])

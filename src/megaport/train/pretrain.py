@@ -10,7 +10,7 @@ training log (:mod:`megaport.train.log`):
 
 Data: mock data where the era's parser has ``--mock-data``, else a tiny indexed dataset and GPT-2
 vocabulary written for the run (:mod:`megaport.train.data`). On a machine without a GPU the rank
-runs with the CPU substitutions of :mod:`megaport.train.cpu`, listed in the result.
+runs with the CPU substitutions of :mod:`megaport.cpu_substitutions`, listed in the result.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import tempfile
 from dataclasses import dataclass, field
 
 from megaport import deepspeed_fork
+from megaport.cpu_substitutions import MARK as CPU_MARK
 from megaport.train import deepspeed_example, example, failure, log
 from megaport.train.shims import audit
-from megaport.train.cpu import MARK as CPU_MARK
 from megaport.train.launch import PEAK
 
 MODES = ("ported", "fusions-off")

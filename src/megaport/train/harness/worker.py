@@ -1,14 +1,11 @@
-"""For trees without ``pretrain_gpt.py``: a few training steps through upstream's megatron.core builders.
+"""The harness's fresh interpreter: a few training steps through upstream's megatron.core builders.
 
-A tree made from PyPI's ``megatron-core`` (what CI can download) has no ``pretrain_gpt.py`` and,
-before 0.17, no ``megatron/training``. Every tree that has the script trains through it
-(:mod:`megaport.train.pretrain`); this harness serves the others, for the training smoke test, the
-loss-parity test and ``megaport bench --train``. It runs in a fresh interpreter with the tree first
-on sys.path, so two trees never share a process:
+Started by :mod:`megaport.train.harness.launcher` with the tree first on sys.path, so two trees
+never share a process:
 
     python -m megaport.train.harness --tree DIR --mode ported|fusions-off [--device cpu|cuda] ...
 
-and prints one JSON document on its last line of stdout.
+It prints one JSON document on its last line of stdout.
 
 What it builds is what upstream's training builds from megatron.core. Where the tree has
 megatron/training, upstream's own ``parse_args`` and ``validate_args`` run on the flags of the
@@ -29,10 +26,10 @@ Modes:
 
 The harness sets its own learning rate, seed and dropout 0 (it is not upstream's entry point, and
 its loss must fall within a dozen steps). On CPU, upstream's CUDA-only plumbing gets the smallest
-substitutions, each reported under ``substitutions``: tensors it places on 'cuda' go to the CPU
-(the placement mode of :mod:`megaport.train.cpu`), the global memory buffer allocates on the CPU
-and the CUDA RNG tracker's fork() is a no-op (dropout is 0, so no random numbers are drawn in it).
-No code the port changed is substituted.
+substitutions, each reported under ``substitutions`` (the ``placement`` and ``megatron-plumbing``
+profiles of :mod:`megaport.cpu_substitutions`): tensors it places on 'cuda' go to the CPU, the
+global memory buffer allocates on the CPU and the CUDA RNG tracker's fork() is a no-op (dropout is
+0, so no random numbers are drawn in it). No code the port changed is substituted.
 """
 
 from __future__ import annotations
@@ -49,15 +46,13 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from megaport import cpu_substitutions
 from megaport.train import example
 from megaport.train import failure
-from megaport.train.baseline import unported_upstream, with_fewest_shims
-from megaport.train.shims import audit
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -100,61 +95,6 @@ def _batches(run: HarnessRun, torch):
         stride = torch.randint(1, 4, (run.batch, 1), generator=gen)
         seqs = (start + stride * steps) % run.vocab
         yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
-
-
-@contextlib.contextmanager
-def cpu_plumbing(parallel_state, tensor_parallel, torch, substitutions: list):
-    """The CPU substitutions described in the module docstring, undone afterwards."""
-    buffer = parallel_state.get_global_memory_buffer()
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-
-    def get_tensor(tensor_shape, dtype, name, *args, **kwargs):
-        numel = 1
-        for d in tensor_shape:
-            numel *= int(d)
-        held = buffer.buffer.get((name, dtype))
-        if held is None or held.numel() < numel:
-            held = buffer.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
-        return held[:numel].view(*tensor_shape)
-
-    buffer.get_tensor = get_tensor
-    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    substitutions += ["parallel_state GlobalMemoryBuffer on CPU", "CUDA RNG tracker fork() no-op (dropout 0)"]
-    try:
-        yield
-    finally:
-        del buffer.get_tensor
-        del tracker.fork
-
-
-@contextlib.contextmanager
-def cpu_device_placement(torch, substitutions: list):
-    """Upstream's ``device=torch.cuda.current_device()`` / ``'cuda'`` allocations land on the CPU:
-    the placement substitutions of :mod:`megaport.train.cpu` (``.cuda()``, the legacy
-    ``torch.cuda.IntTensor``-style constructors 2021-2023 code allocates with, and the placement
-    mode), plus ``torch.cuda.current_device()`` answering ``"cpu"`` (upstream passes it as a
-    ``device=``, also from backward passes, where no function mode is active). Only placement
-    changes: every computation is the tree's."""
-    from megaport.train.cpu import LEGACY_CONSTRUCTORS, place_on_cpu, placement_mode
-
-    names = ("current_device", "current_stream") + LEGACY_CONSTRUCTORS
-    saved_cuda = {name: getattr(torch.cuda, name, None) for name in names}
-    saved_tensor_cuda = torch.Tensor.cuda
-    place_on_cpu(torch)
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
-    note = ("tensors upstream places on 'cuda' are placed on the CPU (torch.cuda.current_device() "
-            "answers 'cpu', current_stream() the CPU stream, torch.cuda.*Tensor constructors build CPU "
-            "tensors), and Tensor.type() names them torch.cuda.* for upstream's type checks")
-    if note not in substitutions:
-        substitutions.append(note)
-    try:
-        with placement_mode(torch):
-            yield
-    finally:
-        torch.Tensor.cuda = saved_tensor_cuda
-        for name, value in saved_cuda.items():
-            setattr(torch.cuda, name, value)
 
 
 def upstream_args(run: HarnessRun, facts: dict):
@@ -343,11 +283,10 @@ def train(run: HarnessRun) -> dict:
     torch.manual_seed(run.seed)
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
 
-    substitutions = contextlib.ExitStack()
-    if not gpu:
-        substitutions.enter_context(cpu_device_placement(torch, facts["substitutions"]))
-        substitutions.enter_context(cpu_plumbing(parallel_state, tensor_parallel, torch, facts["substitutions"]))
-    with substitutions:
+    if gpu:
+        return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
+    with cpu_substitutions.install(torch, "placement", "megatron-plumbing") as substituted:
+        substituted.tell(facts["substitutions"])
         return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
 
 
@@ -434,7 +373,7 @@ def _steps(run, model, optimizer, has_ddp, megatron_optimizer, device, gpu, torc
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megaport.train.harness", description=__doc__.split("\n\n")[0])
     defaults = HarnessRun(tree="")
     parser.add_argument("--tree", required=True)
     parser.add_argument("--mode", choices=MODES, default=defaults.mode)
@@ -455,45 +394,3 @@ def main(argv=None) -> int:
     sys.stdout.write("\n" + json.dumps(document) + "\n")
     sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    sys.exit(main())
-
-
-def run_in_subprocess(tree, mode: str, env: dict | None = None, timeout: float = 900, **sizes) -> dict:
-    """Run the harness on ``tree`` in a fresh interpreter: its JSON document, or a RuntimeError
-    with the tail of its output."""
-
-    command = [sys.executable, "-m", "megaport.train.harness", "--tree", str(tree), "--mode", mode]
-    for name, value in sizes.items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    env = dict(os.environ if env is None else env)
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    with tempfile.TemporaryDirectory(prefix="megaport-harness-") as failures, \
-            tempfile.TemporaryDirectory(prefix="megaport-audit-") as audits:
-        env.update({failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits})
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
-                              stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
-        died_of, port_code = failure.read(failures), audit.read(audits)
-    documents = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not documents:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise failure.RunFailed(f"training run on {tree} ({mode}) exited {proc.returncode}:\n{tail}", died_of)
-    document = json.loads(documents[-1])
-    document["log"] = [line for line in proc.stdout.splitlines() if line.startswith("> ROCm port:")]
-    document["baseline_port_code"] = port_code
-    return document
-
-
-def upstream_baseline(tree, sha: str, **sizes) -> tuple[dict, list]:
-    """Upstream with its fusions off, on the same sizes: (its run, the baseline shims it needed).
-    The unported commit is exported next to the tree and run as a ROCm user without megaport
-    would (see :mod:`megaport.train.baseline` for the shims)."""
-    from megaport.train.shims.registry import describe
-
-    with unported_upstream(tree, sha) as (upstream, env):
-        document, shims = with_fewest_shims(
-            lambda shimmed: run_in_subprocess(upstream, "fusions-off", env=shimmed, **sizes), env)
-    return document, [describe(s) for s in shims]
