@@ -155,3 +155,13 @@ def test_github_format_annotates_the_file_and_line(tmp_path, monkeypatch):
     assert result.exit_code == 1
     line = result.stdout.splitlines()[0]
     assert line.startswith("::error file=cat/demo/0001-x.patch,line=4,title=megaport lint::no 'Upstream-Range")
+
+
+def test_the_wheel_lists_every_package_of_the_source():
+    """A package missing from pyproject's list is missing from the wheel (the families were)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root / "src").parts) for p in (root / "src").rglob("__init__.py")}
+    assert found - listed == set()
