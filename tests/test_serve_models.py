@@ -148,6 +148,29 @@ def test_torch_norm_builds_the_port_norm_for_zero_centered_gamma(rp):
     assert isinstance(plain, torch.nn.RMSNorm)
 
 
+def test_torch_layer_norm_of_core_09_takes_persist_on_and_builds_rms_norm(rp, capsys):
+    """core 0.9 … 0.12's WrappedTorchLayerNorm asserts in ``__init__`` (LayerNorm only, no persist
+    flag): upstream's default persist_layer_norm is ignored there even though the port gives the
+    class a ``__new__`` of its own for RMSNorm (the two wrappers in the other order let the assert
+    through: every core 0.9-0.12 run died of it)."""
+    class WrappedTorchLayerNorm(torch.nn.LayerNorm):
+        def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                     normalization="LayerNorm"):
+            self.config = config
+            assert not config.layernorm_zero_centered_gamma
+            assert not self.config.persist_layer_norm, "persist_layer_norm not supported by torch LayerNorm"
+            assert config.normalization == "LayerNorm", f"({config.normalization}) is not supported"
+            super().__init__(hidden_size, eps=eps)
+
+    module = types.SimpleNamespace(WrappedTorchLayerNorm=WrappedTorchLayerNorm)
+    rp._serve_zero_centered_gamma_in_torch_norm(module)
+    plain = module.WrappedTorchLayerNorm(_config("LayerNorm", False, persist_layer_norm=True), 8)
+    assert type(plain) is WrappedTorchLayerNorm
+    assert "persist_layer_norm" in capsys.readouterr().out
+    rms = module.WrappedTorchLayerNorm(_config("RMSNorm", False, persist_layer_norm=True), 8)
+    assert isinstance(rms, rp.Norm) and rms.normalization == "RMSNorm"
+
+
 def test_te_norm_names_resolve_to_the_port_norm(rp, capsys):
     guarded = types.ModuleType("megatron.core.transformer.transformer_block")
     guarded.TENorm = None

@@ -552,7 +552,10 @@ def _serve_rms_norm_in_fused_layer_norm(module) -> None:
 
 def _serve_zero_centered_gamma_in_torch_norm(module) -> None:
     """torch's norm wrappers (the local norm from core 0.9) assert no zero-centered gamma; with it
-    (``--apply-layernorm-1p``) they build the port's norm. Then the persist flag as before."""
+    (``--apply-layernorm-1p``) they build the port's norm. The persist flag first: it wraps the
+    method upstream checks in (WrappedTorchLayerNorm's ``__init__``), which a ``__new__`` of the
+    port's would otherwise hide from it."""
+    _ignore_persist_layer_norm(module)
     for name in ("WrappedTorchNorm", "WrappedTorchLayerNorm"):
         cls = getattr(module, name, None)
         if cls is not None:
@@ -560,7 +563,6 @@ def _serve_zero_centered_gamma_in_torch_norm(module) -> None:
             if name == "WrappedTorchLayerNorm":  # it builds LayerNorm only
                 refuses = lambda c: _refused_by_torch_norm(c) or _refused_by_apex_layer_norm(c)
             _norm_for_what_upstream_refuses(cls, refuses)
-    _ignore_persist_layer_norm(module)
 
 
 # Modules whose specs or layers name TE's norm, guarded to None (or left undefined) without TE.
