@@ -253,8 +253,14 @@ total, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [grads], False)
 scaled = [torch.empty_like(g) for g in grads]
 multi_tensor_applier(amp_C.multi_tensor_scale, flag, [grads, scaled], 0.5)
 p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)
-FusedAdam([p], lr=0.1).step()
+adam = FusedAdam([p], lr=0.1)
+adam.step()
+q, r = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
+q.grad = r.grad = torch.full((3,), 0.5)
+FusedAdam([q], lr=0.1, weight_decay=0.1).step()
+torch.optim.AdamW([r], lr=0.1, weight_decay=0.1).step()
 print(json.dumps({
+    "is_fused_adam": isinstance(adam, FusedAdam) and torch.equal(q, r),
     "layer_norm": torch.allclose(out, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5), atol=1e-5),
     "l2norm": torch.allclose(total, torch.cat([g.flatten() for g in grads]).norm().reshape(1)),
     "scale": all(torch.equal(s, g * 0.5) for s, g in zip(scaled, grads)),
@@ -282,7 +288,8 @@ def test_a_planted_fault_in_the_ports_standins_never_reaches_the_baseline(tmp_pa
         text = text.replace(good, bad)
     port.write_text(text, encoding="utf-8")
     stdout, loaded = _run_baseline_process(_APEX_VALUES, ["apex"], tmp_path, src=copy)
-    assert json.loads(stdout.splitlines()[-1]) == {"layer_norm": True, "l2norm": True, "scale": True, "adam": True}
+    assert json.loads(stdout.splitlines()[-1]) == {"is_fused_adam": True, "layer_norm": True, "l2norm": True, "scale": True,
+                                                  "adam": True}
     assert loaded == []
 
 

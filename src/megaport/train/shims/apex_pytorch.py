@@ -183,24 +183,27 @@ wgrad_extension = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum, 
 
 # --- optimizers ---------------------------------------------------------------------------------
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(torch.optim.Adam):
     """apex's FusedAdam: Adam with decoupled weight decay (``adam_w_mode=True``, its default, is
-    AdamW) or L2 (``adam_w_mode=False``); apex's other arguments accepted. The step is torch's."""
+    AdamW) or L2 (``adam_w_mode=False``); apex's other arguments accepted. The step is torch's.
 
-    def __new__(cls, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                weight_decay=0.0, amsgrad=False, **apex_only):
+    A subclass, not a factory of torch's optimizers: upstream's distributed optimizer asserts
+    ``isinstance(optimizer, FusedAdam)`` (core 0.6 on: "Only Adam currently supported")."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, **apex_only):
         if not bias_correction:
             raise ValueError("FusedAdam(bias_correction=False) has no torch equivalent")
-        base = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        return base(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         decoupled_weight_decay=adam_w_mode)
 
 
-class FusedSGD(torch.optim.Optimizer):
+class FusedSGD(torch.optim.SGD):
     """apex's FusedSGD: torch's SGD; apex's other arguments accepted."""
 
-    def __new__(cls, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **apex_only):
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                               nesterov=nesterov)
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **apex_only):
+        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                         nesterov=nesterov)
 
 
 # --- the modules --------------------------------------------------------------------------------
