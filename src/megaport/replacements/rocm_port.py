@@ -848,7 +848,8 @@ _AFTER_IMPORT_WITHOUT_TE = {
     # the TE-norm users that need more, each entry replacing its line above
     _GPT_SPECS_MODULE: (_te_norm_is_the_port_norm, _serve_te_layer_specs),
     "megatron.core.models.bert.bert_layer_specs": _serve_te_layer_specs,
-    "megatron.core.models.T5.t5_spec": _serve_te_layer_specs,
+    # core 0.9's local T5 block specs name TENorm too, defined only with TE
+    "megatron.core.models.T5.t5_spec": (_te_norm_is_the_port_norm, _serve_te_layer_specs),
     "megatron.core.datasets.t5_dataset": _t5_masks_for_local_layers,
     "megatron.core.models.backends": (_te_norm_is_the_port_norm, _say_grouped_gemm_runs_sequential,
                                        _te_backend_is_local),

@@ -22,6 +22,8 @@ ERAS = "E6-E8 (main 2024-06 on): Llama 3, Mixtral and DeepSeek-V2 specs"
 REPRODUCES = "TransformerEngine's TENorm (te.pytorch.RMSNorm/LayerNorm, zero_centered_gamma)"
 PATTERN = (Match(("AssertionError",), message=r"zero_centered_gamma not supported by torch"),
            Match(("AssertionError",), message=r"is not supported in FusedLayerNorm"),
+           # core 0.9's torch LayerNorm wrapper refusing RMSNorm (its message's own wording)
+           Match(("AssertionError",), message=r"is not supported in by torch Layernorm"),
            Match(("NameError",), message=r"name 'TENorm' is not defined"),
            Match(("NameError",), message=r"name 'te_general_gemm' is not defined"),
            # 2024's TENorm (with the transformer-engine stub) building TE's RMSNorm for the final norm
@@ -30,7 +32,9 @@ PATTERN = (Match(("AssertionError",), message=r"zero_centered_gamma not supporte
 _TE_NORM_MODULES = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.gpt.moe_module_specs",
                     "megatron.core.models.backends", "megatron.core.transformer.attention",
                     "megatron.core.transformer.multi_latent_attention", "megatron.core.transformer.transformer_block",
-                    "megatron.core.transformer.multi_token_prediction")
+                    "megatron.core.transformer.multi_token_prediction",
+                    # core 0.9's local T5 block specs name TENorm, defined only with TE
+                    "megatron.core.models.T5.t5_spec")
 
 
 class TENormInTorch(torch.nn.Module):
