@@ -283,12 +283,12 @@ def test_t5_gives_the_decoder_depth_where_the_parser_takes_it_apart(tmp_path):
 
 def test_loss_parity_trains_t5_at_its_own_stable_rate(tmp_path):
     """T5 at GPT's parity rate (3e-3) spikes (grad norm 0.3 → 18 in ten steps, core_v0.16.1) and
-    rounding apart grows past 1 %; parity trains it at 1e-3, GPT keeps 3e-3."""
+    rounding apart grows past 1 %; parity trains it at 5e-4, GPT keeps 3e-3."""
     from megaport.train import parity
 
     tree = make_tree(tmp_path / "tree", entry_points=("pretrain_gpt.py", "pretrain_t5.py"),
                      scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})
-    assert parity.parity_run(tree, family="t5").lr == 1e-3
+    assert parity.parity_run(tree, family="t5").lr == 5e-4
     assert parity.parity_run(tree, family="gpt").lr == example.PARITY_LEARNING_RATE
 
 
