@@ -78,6 +78,7 @@ def _missing(module: str) -> str:
     (_missing("apex.optimizers"), "apex"),
     (_missing("fused_mix_prec_layer_norm_cuda"), "apex"),
     ("raise ValueError('Apex must be installed to use FusedLayerNorm.')", "apex"),
+    ("raise AssertionError('Please install Apex or Transformer Engine to use DistributedOptimizer.')", "apex"),
     (_missing("transformer_engine"), "transformer-engine"),
     ("import importlib.metadata as m\nm.version('transformer-engine')", "transformer-engine"),
     (_missing("torch._six"), "stack"),

@@ -27,7 +27,9 @@ ERAS = "E1-E6 and the forks (trees that import apex unguarded)"
 REPRODUCES = "apex (optimizers.FusedAdam/FusedSGD, amp_C, fused layer norm, fused wgrad GEMM)"
 _APEX_MODULE = r"apex(\..*)?|amp_C|fused_\w*_cuda|\w*layer_norm_cuda"
 PATTERN = (Match(("ModuleNotFoundError", "ImportError"), module=_APEX_MODULE),
-           Match(("ValueError", "ImportError", "RuntimeError"), message=r"Apex must (currently )?be installed"))
+           Match(("ValueError", "ImportError", "RuntimeError"), message=r"Apex must (currently )?be installed"),
+           # core 0.9's distributed optimizer, which takes apex's FusedAdam where TE has none
+           Match(("AssertionError",), message=r"Please install Apex or Transformer Engine to use DistributedOptimizer"))
 
 
 # --- amp_C: multi-tensor ops -------------------------------------------------------------------
