@@ -451,3 +451,13 @@ def test_the_forks_moe_refuses_a_config_that_keeps_a_value_it_cannot_compute(tmp
         "examples_deepspeed/MoE/ds_config_gpt_TEMPLATE.json": DS_MOE_TEMPLATE})
     with pytest.raises(ValueError, match="shell arithmetic"):
         registry.get("ds-moe").deepspeed_config(tree, str(tmp_path), pretrain.Run(tree=tree), [])
+
+
+def test_the_forks_moe_reader_decides_literal_tests_and_keeps_undecided_branches():
+    from megaport.train.families.ds_moe import decided
+
+    text = "\n".join(['A=1', 'B="x"',
+                      'if [ "$B" = "y" ]; then', ' one', 'elif [[ $A -eq 1 ]]; then', ' two', 'else', ' three', 'fi',
+                      'if [[ $A -gt 0 ]]; then', ' four', 'elif [ "$Z" = "q" ]; then', ' five', 'else', ' six', 'fi',
+                      'if [ "$Z" = "q" ]; then', ' seven', 'else', ' eight', 'fi'])
+    assert decided(text).split() == ["A=1", "B=x", "two", "four", "seven", "eight"]

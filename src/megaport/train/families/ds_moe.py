@@ -69,26 +69,29 @@ def decided(text: str) -> str:
     from megaport.train.deepspeed_example import expand
 
     out = []
-    stack: list = []  # per open if: [decided (True/False/None), a branch already taken]
+    # per open if: [this branch kept (True/False/None: undecided), a branch already taken, a test undecided]
+    stack: list = []
     # a quoted literal (MOE_DROP_TOKEN="true") is a plain assignment too
     text = re.sub(r'^(\s*(?:export\s+)?\w+)="([^"$\s]*)"\s*$', r"\1=\2", text, flags=re.M)
     for line in expand(text).splitlines():
         stripped = line.strip()
         test = _TEST.match(line)
+        result = _decide(*test.groups()) if test else None  # if $(ssh ...): not decided
         if re.match(r"if\b", stripped) and not re.search(r"\bfi\s*$", stripped):
-            result = _decide(*test.groups()) if test else None  # if $(ssh ...): not decided
-            stack.append([result, bool(result)])
+            stack.append([result, bool(result), result is None])
             continue
-        if stack and (test or stripped in ("else", "fi")):
+        if stack and (re.match(r"elif\b", stripped) or stripped in ("else", "fi")):
             frame = stack[-1]
             if stripped == "fi":
                 stack.pop()
+            elif frame[1]:  # an earlier branch was taken: this one is not
+                frame[0] = False
             elif stripped == "else":
-                frame[0] = None if frame[0] is None else not frame[1]
+                frame[0] = None if frame[2] else True
             else:  # elif
-                result = _decide(*test.groups())
-                frame[0] = None if frame[0] is None or result is None else (result and not frame[1])
-                frame[1] = frame[1] or bool(frame[0])
+                frame[2] = frame[2] or result is None
+                frame[0] = None if frame[2] else result
+                frame[1] = bool(frame[0])
             continue
         if all(frame[0] is not False for frame in stack):
             out.append(line)
