@@ -16,7 +16,7 @@ from megaport.train import example, pretrain, wordpiece
 from megaport.train.families import registry
 from megaport.train.families.spec import Family
 
-ALL = ["gpt", "bert", "t5", "llama", "llama3", "mixtral", "deepseek"]
+ALL = ["gpt", "bert", "t5", "llama", "llama3", "mixtral", "deepseek", "ds-moe"]
 # the architecture flags the non-GPT families' presence rules read in the era's parser
 PARSER = """
 add('--normalization'); add('--swiglu'); add('--group-query-attention'); add('--disable-bias-linear')
@@ -84,7 +84,8 @@ def test_the_registry_holds_one_spec_per_family_module():
     assert all(isinstance(f, Family) and f.name == name for name, f in registry.FAMILIES.items())
     assert registry.get("bert").entry_point == "pretrain_bert.py"
     assert registry.get("t5").entry_point == "pretrain_t5.py"
-    assert {registry.get(n).entry_point for n in ("gpt", "llama", "llama3", "mixtral", "deepseek")} == {"pretrain_gpt.py"}
+    assert {registry.get(n).entry_point for n in ("gpt", "llama", "llama3", "mixtral", "deepseek", "ds-moe")} == \
+        {"pretrain_gpt.py"}
 
 
 def test_an_unknown_family_is_a_one_line_error_naming_the_known_ones():
@@ -289,6 +290,8 @@ def test_loss_parity_trains_t5_at_its_own_stable_rate(tmp_path):
     tree = make_tree(tmp_path / "tree", entry_points=("pretrain_gpt.py", "pretrain_t5.py"),
                      scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})
     assert parity.parity_run(tree, family="t5").lr == 5e-4
+    # the fork's MoE too: its discrete routing amplifies rounding with the step size
+    assert parity.parity_run(ds_moe_tree(tmp_path / "fork"), family="ds-moe").lr == 1e-3
     assert parity.parity_run(tree, family="gpt").lr == example.PARITY_LEARNING_RATE
 
 
@@ -307,3 +310,173 @@ def test_query_groups_shrink_to_one_where_upstreams_legacy_gqa_view_refuses_more
     assert groups(make_tree(tmp_path / "mcore-default", parser=PARSER + "add('--use-legacy-models')",
                             scripts=legacy)) == [2]
     assert groups(make_tree(tmp_path / "no-legacy", parser=PARSER)) == [2]
+
+
+# Megatron-DeepSpeed's examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh, cut down: its flags are
+# shell strings built from assignments (some quoted, some shell arithmetic) and appended under if
+DS_MOE = """#!/bin/bash
+DIR=`pwd`
+SEQ_LEN=2048
+NUM_LAYERS=12
+HIDDEN_SIZE=768
+GLOBAL_BATCH_SIZE=256
+TRAIN_TOKENS=300000000000
+TRAIN_ITERS=$(( ${TRAIN_TOKENS} * 3 / ${GLOBAL_BATCH_SIZE} / ${SEQ_LEN} ))
+WARMUP_TOKENS=375000000
+LR_DECAY_TOKENS=300000000000
+BATCH_SIZE=4
+NUM_GPUS=$(($(ds_ssh nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)-2))
+EP_SIZE=64
+if [[ $EP_SIZE -gt $NUM_GPUS ]]; then
+    EP_PARALLEL_SIZE=$NUM_GPUS
+else
+    EP_PARALLEL_SIZE=$EP_SIZE
+fi
+LR=4.5e-4
+MOE_DROP_TOKEN="true"
+CL_ENABLED="false"
+CL_START_SEQLEN=80
+CL_STEP=$(( ${TRAIN_TOKENS} / 7 ))
+ACTIVATION_CHECKPOINT="true"
+megatron_options=" \\
+        --override-opt_param-scheduler \\
+        --moe-expert-parallel-size ${EP_PARALLEL_SIZE} \\
+        --num-experts ${EP_SIZE} \\
+        --moe-min-capacity 4 \\
+        --lr-decay-tokens ${LR_DECAY_TOKENS} \\
+        --lr-warmup-tokens ${WARMUP_TOKENS} \\
+        --micro-batch-size ${BATCH_SIZE} \\
+        --num-layers ${NUM_LAYERS} \\
+        --hidden-size ${HIDDEN_SIZE} \\
+        --train-tokens ${TRAIN_TOKENS} \\
+        --train-iters ${TRAIN_ITERS} \\
+        --lr ${LR} \\
+        --fp16 \\
+        --load ${CHECKPOINT_PATH}"
+if [ "${ACTIVATION_CHECKPOINT}" = "true" ]; then
+megatron_options="${megatron_options} \\
+        --checkpoint-activations"
+fi
+if [[ $EP_SIZE -gt 1 ]]; then
+megatron_options="${megatron_options} \\
+        --create-moe-param-group"
+fi
+if [ "${MOE_DROP_TOKEN}" = "false" ]; then
+megatron_options="${megatron_options} \\
+        --disable-moe-token-dropping"
+fi
+template_json="ds_config_gpt_TEMPLATE.json"
+config_json="ds_config_gpt_${NAME}.json"
+sed "s/CONFIG_BATCH_SIZE/${GLOBAL_BATCH_SIZE}/" ${template_json} \\
+    | sed "s/CONFIG_MBSIZE/${BATCH_SIZE}/" \\
+    | sed "s/ZERO_STAGE/0/" \\
+    | sed "s/CONFIG_FP16_ENABLED/true/" \\
+    | sed "s/CONFIG_CL_ENABLED/${CL_ENABLED}/" \\
+    | sed "s/CONFIG_CL_DURATION/${CL_STEP}/" \\
+	  > ${config_json}
+deepspeed_options=" \\
+		    --deepspeed \\
+		    --deepspeed_config ${config_json} \\
+		    --pipeline-model-parallel-size 1"
+if [[ $EP_SIZE -gt 1 ]]; then
+deepspeed_options="${deepspeed_options} \\
+        --no-pipeline-parallel"
+fi
+for (( node = 0; node <= NUM_NODE-1; node++ ))
+do
+    if $(ssh -q worker-"$node" "test -f \\"$ITERATION_FILE\\""); then
+        LOCAL_ITERATION=$(ssh -q worker-"$node" cat $ITERATION_FILE)
+    fi
+done
+run_cmd="deepspeed ${DIR}/../../pretrain_gpt.py ${megatron_options} ${data_options} ${deepspeed_options} &> log"
+eval ${run_cmd}
+"""
+DS_MOE_TEMPLATE = """{
+  "train_batch_size" : CONFIG_BATCH_SIZE,
+  "train_micro_batch_size_per_gpu": CONFIG_MBSIZE,
+  "zero_optimization": {"stage": ZERO_STAGE},
+  "fp16": {"enabled": CONFIG_FP16_ENABLED, "loss_scale": 0, "initial_scale_power": 11},
+  "curriculum_learning": {"enabled": CONFIG_CL_ENABLED, "schedule_config": {"total_curriculum_step": CONFIG_CL_DURATION}}
+}
+"""
+DS_PARSER = "add('--moe-expert-parallel-size'); add('--num-experts'); add('--train-iters')"
+
+
+def ds_moe_tree(root: Path, layout: str = "examples_deepspeed") -> str:
+    return make_tree(root, parser=DS_PARSER, scripts={f"{layout}/MoE/ds_pretrain_gpt_125M_MoE64.sh": DS_MOE,
+                                                      f"{layout}/MoE/ds_config_gpt_TEMPLATE.json": DS_MOE_TEMPLATE})
+
+
+@pytest.mark.parametrize("layout", ["examples_deepspeed", "examples"])
+def test_the_forks_moe_is_present_with_its_parser_flags_and_its_script(tmp_path, layout):
+    tree = ds_moe_tree(tmp_path / "fork", layout)
+    assert "ds-moe" in [f.name for f in registry.families_for(tree)]
+    # upstream's MoE parser (--num-experts, no --moe-expert-parallel-size) and no script: absent
+    upstream = make_tree(tmp_path / "upstream", parser=PARSER)
+    assert "ds-moe" not in [f.name for f in registry.families_for(upstream)]
+    # the fork's parser without the script (or the script without the parser): absent
+    no_script = make_tree(tmp_path / "no-script", parser=DS_PARSER)
+    no_parser = make_tree(tmp_path / "no-parser", parser="add('--num-experts')",
+                          scripts={"examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh": DS_MOE})
+    assert "ds-moe" not in [f.name for f in registry.families_for(no_script)]
+    assert "ds-moe" not in [f.name for f in registry.families_for(no_parser)]
+
+
+def test_the_forks_moe_flags_are_its_shell_strings_with_their_if_blocks_decided(tmp_path):
+    tokens, source = registry.get("ds-moe").flags(ds_moe_tree(tmp_path))
+    assert source == "examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh of the tree"
+    value = lambda flag: example.flag_value(tokens, flag)  # noqa: E731
+    assert (value("--num-experts"), value("--num-layers"), value("--lr"), value("--micro-batch-size"),
+            value("--lr-warmup-tokens"), value("--train-tokens")) == ("64", "12", "4.5e-4", "4", "375000000",
+                                                                     "300000000000")
+    # NUM_GPUS is shell arithmetic: the test on it is not decided, both branches stay, the last wins
+    assert value("--moe-expert-parallel-size") == "64"
+    # decided: ACTIVATION_CHECKPOINT="true", EP_SIZE 64 > 1, MOE_DROP_TOKEN="true" (not "false")
+    assert {"--checkpoint-activations", "--create-moe-param-group", "--deepspeed", "--no-pipeline-parallel"} <= set(tokens)
+    assert "--disable-moe-token-dropping" not in tokens
+    # values that are shell arithmetic or paths are not read
+    assert "--train-iters" not in tokens and "--deepspeed_config" not in tokens and "--load" not in tokens
+
+
+def test_the_forks_moe_runs_shrunk_with_the_scripts_deepspeed_config(tmp_path):
+    import json
+
+    tree = ds_moe_tree(tmp_path / "tree")
+    work = tmp_path / "work"
+    work.mkdir()
+    sizes = example.Sizes(layers=2, hidden=64, heads=4, seq=64, batch=2, steps=100)
+    cmd = pretrain.command(pretrain.Run(tree=tree, sizes=sizes, family="ds-moe", initial_loss_scale=4096.0), str(work))
+    flags = cmd.argv[cmd.argv.index("pretrain_gpt.py") + 1:]
+    value = lambda flag: example.flag_value(flags, flag)  # noqa: E731
+    assert (value("--num-experts"), value("--moe-expert-parallel-size"), value("--num-layers"),
+            value("--hidden-size"), value("--micro-batch-size"), value("--train-iters")) == ("4", "1", "2", "64", "2",
+                                                                                          "100")
+    # the token schedule over the run's 100 x 2 x 64 tokens, warmup the script's share of it
+    assert (value("--lr-decay-tokens"), value("--train-tokens"), value("--lr-warmup-tokens")) == ("12800", "12800", "16")
+    assert "--deepspeed" in flags and "--load" not in flags
+    config = json.loads(Path(value("--deepspeed_config")).read_text())
+    assert config["train_batch_size"] == 2 and config["train_micro_batch_size_per_gpu"] == 2
+    assert config["zero_optimization"] == {"stage": 0}  # the script's stage, kept
+    # the run's initial loss scale (2**12) where DeepSpeed reads it; the disabled legacy curriculum
+    # key today's DeepSpeed refuses, left out
+    assert config["fp16"]["initial_scale_power"] == 12 and "curriculum_learning" not in config
+    assert any("curriculum_learning left out" in n and "initial_scale_power 12" in n for n in cmd.notes)
+    assert any(n.startswith("--train-iters added") for n in cmd.notes)
+
+
+def test_the_forks_moe_refuses_a_config_that_keeps_a_value_it_cannot_compute(tmp_path):
+    tree = make_tree(tmp_path / "tree", parser=DS_PARSER, scripts={
+        "examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh": DS_MOE.replace('CL_ENABLED="false"', 'CL_ENABLED="true"'),
+        "examples_deepspeed/MoE/ds_config_gpt_TEMPLATE.json": DS_MOE_TEMPLATE})
+    with pytest.raises(ValueError, match="shell arithmetic"):
+        registry.get("ds-moe").deepspeed_config(tree, str(tmp_path), pretrain.Run(tree=tree), [])
+
+
+def test_the_forks_moe_reader_decides_literal_tests_and_keeps_undecided_branches():
+    from megaport.train.families.ds_moe import decided
+
+    text = "\n".join(['A=1', 'B="x"',
+                      'if [ "$B" = "y" ]; then', ' one', 'elif [[ $A -eq 1 ]]; then', ' two', 'else', ' three', 'fi',
+                      'if [[ $A -gt 0 ]]; then', ' four', 'elif [ "$Z" = "q" ]; then', ' five', 'else', ' six', 'fi',
+                      'if [ "$Z" = "q" ]; then', ' seven', 'else', ' eight', 'fi'])
+    assert decided(text).split() == ["A=1", "B=x", "two", "four", "seven", "eight"]

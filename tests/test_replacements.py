@@ -1129,3 +1129,34 @@ def test_a_module_takes_every_after_import_step_of_both_tables_in_order(rp, tmp_
     monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: True)
     assert rp.after_import_steps("after_import_pkg.layer") == (rp._AFTER_IMPORT_DEEPSPEED["after_import_pkg.layer"],)
     sys.modules.pop("after_import_pkg.layer", None)
+
+
+def test_todays_deepspeed_fp16_optimizers_answer_cur_scale_again(rp):
+    """Megatron-DeepSpeed before 3ed9f4f7 (2023-05) formats ``optimizer.cur_scale`` into its log
+    line; today's DeepSpeed fp16 optimizers without ZeRO keep the scale in loss_scale_config."""
+    import types
+
+    class LossScaleConfig:
+        cur_scale = 4096.0
+
+    class FP16_Optimizer:
+        def __init__(self):
+            self.loss_scale_config = LossScaleConfig()
+
+    class FP16_UnfusedOptimizer(FP16_Optimizer):
+        pass
+
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        rp.fp16_optimizers_answer_cur_scale(types.SimpleNamespace(LossScaleConfig=LossScaleConfig, **{cls.__name__: cls}))
+        optimizer = cls()
+        assert optimizer.cur_scale == 4096.0
+        optimizer.cur_scale = 1024.0
+        assert optimizer.loss_scale_config.cur_scale == 1024.0
+    assert {"deepspeed.runtime.fp16.fused_optimizer", "deepspeed.runtime.fp16.unfused_optimizer"} <= \
+        set(dict(rp.AFTER_IMPORT_TABLES)["DeepSpeed"])
+
+    class Old:  # an older DeepSpeed keeps cur_scale itself: left alone
+        pass
+
+    rp.fp16_optimizers_answer_cur_scale(types.SimpleNamespace(FP16_Optimizer=Old))
+    assert "cur_scale" not in vars(Old)

@@ -49,7 +49,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 16
+    assert len(registry.REGISTRY) == 17
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -129,6 +129,50 @@ def test_the_two_view_failures_are_told_apart_by_the_frame_that_raised(tmp_path)
                             "forward(torch.ones(4, 4).t())", tree)
     assert registry.pick([wgrad], []) == "wgrad-contiguous"
     assert registry.pick([attention], []) == "fork-attention-view"
+
+
+def test_the_loss_scale_shim_answers_the_forks_log_line_only(tmp_path):
+    """Megatron-DeepSpeed before 3ed9f4f7 formats the optimizer's cur_scale, None with today's
+    DeepSpeed at ZeRO stage 0, into its log line; None formatted anywhere else is not its failure."""
+    tree = _fake_upstream(tmp_path, {
+        "megatron/__init__.py": "",
+        "megatron/training.py": """
+            def training_log(loss_scale, other=None):
+                log_string = ''
+                log_string += ' loss scale: {:.1f} |'.format(loss_scale)
+            def elsewhere(value):
+                return '{:.1f}'.format(value)
+            """})
+    log_line = _failure_of("from megatron.training import training_log\ntraining_log(None)", tree)
+    other = _failure_of("from megatron.training import elsewhere\nelsewhere(None)", tree)
+    assert registry.pick([log_line], []) == "deepspeed-loss-scale"
+    assert registry.pick([other], []) is None
+
+
+def test_the_loss_scale_shim_gives_todays_fp16_optimizers_cur_scale_again():
+    import types
+
+    from megaport.train.shims import deepspeed_loss_scale
+
+    class LossScaleConfig:
+        cur_scale = 4096.0
+
+    class FP16_Optimizer:
+        def __init__(self):
+            self.loss_scale_config = LossScaleConfig()
+
+    module = types.SimpleNamespace(LossScaleConfig=LossScaleConfig, FP16_Optimizer=FP16_Optimizer)
+    deepspeed_loss_scale.scale_again(module)
+    optimizer = FP16_Optimizer()
+    assert optimizer.cur_scale == 4096.0
+    optimizer.cur_scale = 2048.0
+    assert optimizer.loss_scale_config.cur_scale == 2048.0
+    # an older DeepSpeed (no LossScaleConfig): its optimizers keep cur_scale themselves, untouched
+    class Old:
+        pass
+
+    deepspeed_loss_scale.scale_again(types.SimpleNamespace(FP16_Optimizer=Old))
+    assert "cur_scale" not in vars(Old)
 
 
 def test_the_raising_frame_is_the_trees_not_megaports_cpu_placement_or_torchs():

@@ -878,10 +878,27 @@ def legacy_tensor_types(module) -> None:
             setattr(cls, name, property(lambda self, _name=name: getattr(torch.cuda, _name)))
 
 
+def fp16_optimizers_answer_cur_scale(module) -> None:
+    """DeepSpeed's fp16 optimizers without ZeRO (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) now
+    keep their loss scale in ``loss_scale_config``; Megatron-DeepSpeed before its 3ed9f4f7
+    (2023-05) reads ``optimizer.cur_scale``, which they had, finds None and formats it into every
+    log line, which raises. ``cur_scale`` is the optimizer's scale again, read and written, as older
+    DeepSpeed gave it (ZeRO's optimizers still have it)."""
+    if getattr(module, "LossScaleConfig", None) is None:  # an older DeepSpeed: cur_scale is its own
+        return
+    for name in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):
+        cls = getattr(module, name, None)
+        if cls is not None and "cur_scale" not in vars(cls):
+            cls.cur_scale = property(lambda self: self.loss_scale_config.cur_scale,
+                                     lambda self, value: setattr(self.loss_scale_config, "cur_scale", value))
+
+
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.
 _AFTER_IMPORT_DEEPSPEED = {
     "deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam,
     "deepspeed.accelerator.cuda_accelerator": legacy_tensor_types,
+    "deepspeed.runtime.fp16.fused_optimizer": fp16_optimizers_answer_cur_scale,
+    "deepspeed.runtime.fp16.unfused_optimizer": fp16_optimizers_answer_cur_scale,
 }
 
 

@@ -98,6 +98,8 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         tokens, source = family.flags(run.tree)
         notes = [f"flags of {source}, changed in size, iterations and data only"]
         tokens = _family_flags(family, tokens, run.tree, notes)
+        if family.deepspeed_config is not None:
+            tokens = tokens + family.deepspeed_config(run.tree, workdir, run, notes)
     core_data = example.parser_has(run.tree, "--mock-data")
     if family.data == "wordpiece":
         from megaport.train.wordpiece import wordpiece_data_flags
@@ -190,7 +192,16 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
 
     A Megatron-DeepSpeed tree runs its example with DeepSpeed's engine; where the engine refuses
     this machine (:func:`deepspeed_example.engine_refused`), it runs again through Megatron's own
-    loop, and ``engine`` in the result says which ran and why."""
+    loop, and ``engine`` in the result says which ran and why. A family with its own DeepSpeed
+    config (the fork's MoE: its layers' expert groups are the engine's to set up) runs the engine
+    only."""
+    from megaport.train.families import registry
+
+    if registry.get(run.family).deepspeed_config is not None:
+        document = _run_pretrain(run, env, timeout=timeout)
+        document["engine"] = {"name": "deepspeed", "described": "DeepSpeed's engine (--deepspeed), with the DeepSpeed "
+                                                                "config of the family's script (in the notes)"}
+        return document
     if deepspeed_fork.is_deepspeed_tree(run.tree) and run.engine == "deepspeed":
         try:
             document = _run_pretrain(run, env, timeout=timeout)

@@ -65,6 +65,12 @@ class Family:
     #: quoted ARGS strings read to their end; GPT keeps its script's flags as it always read them
     #: (its rows predate families)
     drop_unknown_flags: bool = True
+    #: how a script's text becomes flags where :func:`example.script_flags` alone cannot read it
+    #: (flags assembled in shell variables and ``if`` blocks): (text) -> [flags]
+    script_reader: Callable[[str], list] | None = None
+    #: a DeepSpeed family's config for the run, written to the run's folder: (tree, workdir, run,
+    #: notes) -> the flags that pass it; None: no DeepSpeed config of its own
+    deepspeed_config: Callable | None = None
 
     def flags(self, tree: str) -> tuple[list, str]:
         """The family's flags for ``tree`` and where they came from: the tree's script, else the
@@ -73,8 +79,10 @@ class Family:
             path = os.path.join(tree, rel)
             if os.path.isfile(path):
                 with open(path, encoding="utf-8") as f:
-                    return (example.script_flags(f.read(), quoted_strings=self.drop_unknown_flags),
-                            f"{rel} of the tree")
+                    text = f.read()
+                if self.script_reader is not None:
+                    return self.script_reader(text), f"{rel} of the tree"
+                return example.script_flags(text, quoted_strings=self.drop_unknown_flags), f"{rel} of the tree"
         return list(self.fallback), self.fallback_source
 
     def environment_for(self, tree: str) -> dict:
