@@ -292,6 +292,8 @@ def test_loss_parity_trains_t5_at_its_own_stable_rate(tmp_path):
     assert parity.parity_run(tree, family="t5").lr == 5e-4
     # the fork's MoE too: its discrete routing amplifies rounding with the step size
     assert parity.parity_run(ds_moe_tree(tmp_path / "fork"), family="ds-moe").lr == 1e-3
+    moe = make_tree(tmp_path / "moe", parser=PARSER)
+    assert parity.parity_run(moe, family="mixtral").lr == 1e-3
     assert parity.parity_run(tree, family="gpt").lr == example.PARITY_LEARNING_RATE
 
 
