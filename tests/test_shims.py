@@ -49,7 +49,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 17
+    assert len(registry.REGISTRY) == 18
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -218,6 +218,67 @@ def test_berts_te_spec_built_at_import_is_answered_by_the_spec_module_that_raise
     assert registry.pick([elsewhere], []) is None  # the same words raised outside the spec module
 
 
+# Megatron-DeepSpeed's T5Model from 50b32515 (MoE support) to 712057c8, in the shape its run fails
+# in: a language model returning one MoE loss per layer after its outputs.
+_FORK_T5_MOE_LOSSES = {
+    "megatron/__init__.py": "",
+    "megatron/model/__init__.py": "",
+    "megatron/model/language_model.py": """
+        class TransformerLanguageModel:
+            def __init__(self, add_decoder):
+                self.add_decoder = add_decoder
+
+            def __call__(self, *args, **kwargs):
+                return self.forward(*args, **kwargs)
+
+            def forward(self, tokens):
+                outputs = ("decoder", "encoder") if self.add_decoder else ("encoder",)
+                return (*outputs, "moe loss 1", "moe loss 2")
+
+        def get_language_model(add_decoder=True, add_pooler=False):
+            return TransformerLanguageModel(add_decoder), "language_model"
+        """,
+    "megatron/model/t5_model.py": """
+        from megatron.model.language_model import get_language_model
+
+        class T5Model:
+            def __init__(self, add_decoder=True):
+                self.language_model, self._language_model_key = get_language_model(add_decoder=add_decoder)
+
+            def forward(self, tokens):
+                lm_output = self.language_model(tokens)
+                if self.language_model.add_decoder:
+                    decoder_output, encoder_output = lm_output
+                    return decoder_output
+                encoder_output = lm_output
+                return encoder_output
+        """}
+
+
+def test_the_forks_t5_moe_losses_are_answered_by_t5s_own_unpacking(tmp_path):
+    tree = _fake_upstream(tmp_path, _FORK_T5_MOE_LOSSES)
+    found = _failure_of("from megatron.model.t5_model import T5Model\nT5Model().forward(1)", tree)
+    assert found.exception == "ValueError" and "too many values to unpack" in found.message
+    assert registry.pick([found], []) == "fork-t5-moe-losses"
+    elsewhere = _failure_of("a, b = (1, 2, 3)")
+    assert registry.pick([elsewhere], []) is None  # the same error from another line
+
+
+def test_the_forks_t5_gets_its_language_models_two_outputs(tmp_path):
+    """As 712057c8 takes them: the decoder's and encoder's outputs, the MoE losses left; an
+    encoder-only stage's output stays whole, as the series' patch leaves it."""
+    tree = _fake_upstream(tmp_path / "tree", _FORK_T5_MOE_LOSSES)
+    code = """
+        from megatron.model.t5_model import T5Model
+        from megatron.model.language_model import get_language_model
+        print(T5Model().forward(1), T5Model(add_decoder=False).forward(1), get_language_model()[0].forward(1))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-t5-moe-losses"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == ("decoder ('encoder', 'moe loss 1', 'moe loss 2') "
+                              "('decoder', 'encoder', 'moe loss 1', 'moe loss 2')")
+    assert loaded == []
+
+
 def test_a_failure_raised_from_another_is_matched_through_its_chain():
     found = _failure_of("try:\n    import amp_C\nexcept ImportError as exc:\n    raise RuntimeError('no kernels') from exc")
     assert [f.exception for f in found.chain()] == ["RuntimeError", "ModuleNotFoundError"]
@@ -235,12 +296,13 @@ def test_failures_round_trip_through_the_failure_folder(tmp_path, monkeypatch):
     assert registry.pick([read], []) == "apex"
 
 
-def _run_baseline_process(code: str, names: list, tmp_path: Path, src: Path = SRC) -> tuple:
+def _run_baseline_process(code: str, names: list, tmp_path: Path, src: Path = SRC, pythonpath=()) -> tuple:
     """``code`` in a fresh interpreter set up as a baseline process (shims ``names``, megaport
-    from ``src``): (its stdout, what its audit reported)."""
+    from ``src``, then ``pythonpath``): (its stdout, what its audit reported)."""
     audits = tmp_path / "audits"
     audits.mkdir(exist_ok=True)
-    env = registry.environment({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(src)}, names)
+    paths = os.pathsep.join([str(src), *map(str, pythonpath)])
+    env = registry.environment({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": paths}, names)
     env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(SRC), str(src))
     env[audit.AUDIT_DIR_ENV] = str(audits)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
