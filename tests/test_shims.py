@@ -49,7 +49,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 18
+    assert len(registry.REGISTRY) == 19
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -276,6 +276,50 @@ def test_the_forks_t5_gets_its_language_models_two_outputs(tmp_path):
     stdout, loaded = _run_baseline_process(code, ["fork-t5-moe-losses"], tmp_path, pythonpath=[tree])
     assert stdout.strip() == ("decoder ('encoder', 'moe loss 1', 'moe loss 2') "
                               "('decoder', 'encoder', 'moe loss 1', 'moe loss 2')")
+    assert loaded == []
+
+
+# Megatron-DeepSpeed's T5Model from 62791cc6, and pretrain_t5.py's loss_func, as they end.
+_FORK_T5_RETURN = {
+    "megatron/__init__.py": "",
+    "megatron/model/__init__.py": "",
+    "megatron/model/t5_model.py": """
+        class T5Model:
+            def __init__(self, return_moe_loss=False):
+                self.return_moe_loss = return_moe_loss
+
+            def forward(self, tokens, lm_labels=None):
+                if lm_labels is None:
+                    return "logits"
+                lm_loss, dec_moe_losses, enc_moe_losses = "lm loss", ["decoder"], ["encoder"]
+                return lm_loss, dec_moe_losses, enc_moe_losses if self.return_moe_loss else lm_loss
+        """,
+    "fork_pretrain_t5.py": """
+        def loss_func(loss_mask, output_tensor):
+            lm_loss_ = output_tensor.float()
+            return lm_loss_
+        """}
+
+
+def test_the_forks_t5_tuple_is_answered_by_its_loss_funcs_float(tmp_path):
+    tree = _fake_upstream(tmp_path, _FORK_T5_RETURN)
+    found = _failure_of("from megatron.model.t5_model import T5Model\nfrom fork_pretrain_t5 import loss_func\n"
+                        "loss_func(None, T5Model().forward(1, lm_labels=1))", tree)
+    assert found.exception == "AttributeError" and found.message == "'tuple' object has no attribute 'float'"
+    assert registry.pick([found], []) == "fork-t5-loss"
+    elsewhere = _failure_of("(1, 2).float()")
+    assert registry.pick([elsewhere], []) is None  # the same error from another line
+
+
+def test_the_forks_t5_returns_its_loss_alone_unless_asked_for_the_moe_losses(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_T5_RETURN)
+    code = """
+        from megatron.model.t5_model import T5Model
+        print(repr(T5Model().forward(1, lm_labels=1)), T5Model(return_moe_loss=True).forward(1, lm_labels=1),
+              T5Model().forward(1))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-t5-loss"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "'lm loss' ('lm loss', ['decoder'], ['encoder']) logits"
     assert loaded == []
 
 
