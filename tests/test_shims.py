@@ -49,7 +49,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 19
+    assert len(registry.REGISTRY) == 20
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -321,6 +321,73 @@ def test_the_forks_t5_returns_its_loss_alone_unless_asked_for_the_moe_losses(tmp
     stdout, loaded = _run_baseline_process(code, ["fork-t5-loss"], tmp_path, pythonpath=[tree])
     assert stdout.strip() == "'lm loss' ('lm loss', ['decoder'], ['encoder']) logits"
     assert loaded == []
+
+
+# Megatron-DeepSpeed's train() from its 2023-07 merge: the loss scaling set on a fresh config.
+_FORK_FRESH_CONFIG = {
+    "pretrain_gpt.py": "import torch\nimport deepspeed\n",  # the catalogue's mark of the fork
+    "megatron/__init__.py": """
+        import types
+        _ARGS = types.SimpleNamespace(deepspeed=False)
+
+        def get_args():
+            return _ARGS
+        """,
+    "megatron/core/__init__.py": "",
+    "megatron/core/utils.py": """
+        def get_model_config(model):
+            return model.config
+        """,
+    "megatron/arguments.py": """
+        import types
+
+        def core_transformer_config_from_args(args):
+            return types.SimpleNamespace(grad_scale_func=None)
+        """,
+    "megatron/training.py": """
+        from megatron import get_args
+        from megatron.arguments import core_transformer_config_from_args
+
+        def pretrain(model, optimizer):
+            return train(None, model, optimizer, None)
+
+        def train(forward_step_func, model, optimizer, opt_param_scheduler):
+            args = get_args()
+            config = core_transformer_config_from_args(args)
+            if not args.deepspeed:
+                config.grad_scale_func = optimizer.scale_loss
+            return model[0].config.grad_scale_func  # what the schedules read
+        """}
+
+
+def test_the_forks_fp16_loss_scale_is_listed_for_the_forks_trees_with_the_fresh_config(tmp_path):
+    from megaport.train.families import registry as families
+
+    assert all("fork-fp16-loss-scale" in families.get(name).baseline_shims for name in ("bert", "t5"))
+    fork = _fake_upstream(tmp_path / "fork", _FORK_FRESH_CONFIG)
+    assert registry.applies("fork-fp16-loss-scale", str(fork))
+    fixed = _fake_upstream(tmp_path / "fixed", {**_FORK_FRESH_CONFIG, "megatron/training.py": """
+        def train(forward_step_func, model, optimizer, opt_param_scheduler):
+            config = get_model_config(model[0])
+            config.grad_scale_func = optimizer.scale_loss
+        """})
+    assert not registry.applies("fork-fp16-loss-scale", str(fixed))  # upstream's 0b14cc27cc
+    upstream = _fake_upstream(tmp_path / "upstream", {**_FORK_FRESH_CONFIG, "pretrain_gpt.py": "import torch\n"})
+    assert not registry.applies("fork-fp16-loss-scale", str(upstream))  # the port's series leave it as it is
+
+
+def test_the_forks_fp16_loss_scale_reaches_the_models_config(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_FRESH_CONFIG)
+    code = """
+        import types
+        from megatron.training import pretrain
+        optimizer = types.SimpleNamespace(scale_loss="scale_loss")
+        print(pretrain([types.SimpleNamespace(config=types.SimpleNamespace(grad_scale_func=None))], optimizer))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-fp16-loss-scale"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "scale_loss" and loaded == []
+    stdout, _ = _run_baseline_process(code, [], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "None"  # the fork's own train()
 
 
 def test_a_failure_raised_from_another_is_matched_through_its_chain():
