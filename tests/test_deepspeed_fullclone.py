@@ -91,3 +91,79 @@ def test_fork_ports_and_gives_its_era_softmax(deepspeed_clone, ref, tmp_path, fa
     found = check_tree(dest, fake_cuda_modules, semantics)
     assert "missing_dependency" not in found, found
     assert_kernel_semantics(found, semantics)
+
+
+def _functions(path: Path, *names: str) -> dict:
+    """``names`` (``Class.method`` or module-level functions) of the file at ``path``, each compiled
+    alone, with stand-ins for the Megatron helpers they call; nothing else of the tree is imported."""
+    import ast
+    import types
+
+    import torch
+
+    module = ast.parse(path.read_text(encoding="utf-8"))
+    found = {}
+    for node in module.body:
+        inner = node.body if isinstance(node, ast.ClassDef) else [node]
+        for fn in (f for f in inner if isinstance(f, ast.FunctionDef)):
+            name = f"{node.name}.{fn.name}" if isinstance(node, ast.ClassDef) else fn.name
+            if name in names:
+                found[name] = fn
+    cross_entropy = types.SimpleNamespace(vocab_parallel_cross_entropy=lambda logits, labels: torch.full(
+        labels.shape, 2.0))
+    namespace = {"torch": torch, "tensor_parallel": cross_entropy, "mpu": cross_entropy,
+                 "t5_extended_attention_mask": lambda masks: masks, "t5_position_ids": lambda ids: ids,
+                 "average_losses_across_data_parallel_group": lambda losses: losses}
+    exec(compile(ast.Module(list(found.values()), []), str(path), "exec"), namespace)
+    return {name: namespace[fn.name] for name, fn in found.items()}
+
+
+def _language_model_output(tree: Path) -> tuple:
+    """What the tree's language model returns to T5Model: its outputs, then whatever MoE losses."""
+    import torch
+
+    decoder, encoder = torch.zeros(2, 4, 8), torch.zeros(2, 6, 8)
+    text = (tree / "megatron/model/language_model.py").read_text(encoding="utf-8")
+    if "return decoder_output, encoder_output, decoder_moe_losses, encoder_moe_losses" in text:
+        return decoder, encoder, [torch.zeros(1)], [torch.zeros(1)]  # 712057c8 on: two lists
+    if "return (decoder_output, encoder_output, *moe_losses)" in text:
+        return decoder, encoder, torch.zeros(1), torch.zeros(1)  # 50b32515 on: one per layer
+    return decoder, encoder
+
+
+class _LanguageModel:
+    """Returns ``outputs`` when called; 2021's T5Model reads its word embeddings' weight."""
+
+    def __init__(self, outputs: tuple):
+        import types
+
+        self.outputs = outputs
+        self.embedding = types.SimpleNamespace(word_embeddings=types.SimpleNamespace(weight=None))
+
+    def __call__(self, *args, **kwargs):
+        return self.outputs
+
+
+@pytest.mark.parametrize("series", [s.name for s in fork_series()])
+def test_the_forks_t5_model_gives_its_loss_func_the_loss(deepspeed_clone, series, tmp_path):
+    """The fork's T5 as pretrain_t5.py runs it, at the newest tested ref of each fork series: its
+    T5Model.forward over what its language model returns, into its own loss_func. Unported, it fails
+    from 50b32515 (T5Model unpacks the MoE losses as outputs) and from 62791cc6 (a tuple)."""
+    import types
+
+    import torch
+
+    dest = tmp_path / "ported"
+    code, report, output = port(deepspeed_clone, load_catalogue().get(series).tested[-1].sha, dest)
+    assert code == 0 and report["series"] == series, output
+    forward = _functions(dest / "megatron/model/t5_model.py", "T5Model.forward")["T5Model.forward"]
+    loss_func = _functions(dest / "pretrain_t5.py", "loss_func")["loss_func"]
+    outputs = _language_model_output(dest)
+    model = types.SimpleNamespace(post_process=True, add_encoder=True, add_decoder=True, return_moe_loss=False,
+                                  fp16_lm_cross_entropy=False, language_model=_LanguageModel(outputs),
+                                  lm_head=lambda hidden, weight: torch.zeros(4, 2, 16),
+                                  shared_embedding_or_output_weight=lambda: None)
+    labels, mask = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4)
+    output = forward(model, None, None, None, None, None, tokentype_ids=None, lm_labels=labels)
+    loss, logged = loss_func(mask, output)
+    assert float(loss) == 2.0 and float(logged["lm loss"]) == 2.0

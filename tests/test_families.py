@@ -482,3 +482,20 @@ def test_the_forks_moe_reader_decides_literal_tests_and_keeps_undecided_branches
                       'if [[ $A -gt 0 ]]; then', ' four', 'elif [ "$Z" = "q" ]; then', ' five', 'else', ' six', 'fi',
                       'if [ "$Z" = "q" ]; then', ' seven', 'else', ' eight', 'fi'])
     assert decided(text).split() == ["A=1", "B=x", "two", "four", "seven", "eight"]
+
+
+def test_t5_gives_the_sentinels_its_script_left_out_before_upstreams_3dadd16d(tmp_path):
+    """examples/pretrain_t5.sh before 3dadd16d (2021-06-07; Megatron-DeepSpeed's 2021-2022 trees)
+    lacks the --vocab-extra-ids that pretrain_t5.py asserts: added, and said; never twice."""
+    from megaport.train.pretrain import _family_flags
+
+    t5 = registry.get("t5")
+    parser = "add('--num-layers'); add('--vocab-extra-ids')"
+    tree = make_tree(tmp_path / "tree", entry_points=("pretrain_t5.py",), parser=parser)
+    notes: list = []
+    flags = _family_flags(t5, ["--num-layers", "12", "--fp16"], tree, notes)
+    assert example.flag_value(flags, "--vocab-extra-ids") == "100"
+    assert any(n.startswith("--vocab-extra-ids added") and "3dadd16d" in n for n in notes)
+    notes = []
+    flags = _family_flags(t5, ["--num-layers", "12", "--vocab-extra-ids", "100"], tree, notes)
+    assert flags.count("--vocab-extra-ids") == 1 and not any("--vocab-extra-ids" in n for n in notes)

@@ -49,7 +49,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 17
+    assert len(registry.REGISTRY) == 20
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -218,6 +218,178 @@ def test_berts_te_spec_built_at_import_is_answered_by_the_spec_module_that_raise
     assert registry.pick([elsewhere], []) is None  # the same words raised outside the spec module
 
 
+# Megatron-DeepSpeed's T5Model from 50b32515 (MoE support) to 712057c8, in the shape its run fails
+# in: a language model returning one MoE loss per layer after its outputs.
+_FORK_T5_MOE_LOSSES = {
+    "megatron/__init__.py": "",
+    "megatron/model/__init__.py": "",
+    "megatron/model/language_model.py": """
+        class TransformerLanguageModel:
+            def __init__(self, add_decoder):
+                self.add_decoder = add_decoder
+
+            def __call__(self, *args, **kwargs):
+                return self.forward(*args, **kwargs)
+
+            def forward(self, tokens):
+                outputs = ("decoder", "encoder") if self.add_decoder else ("encoder",)
+                return (*outputs, "moe loss 1", "moe loss 2")
+
+        def get_language_model(add_decoder=True, add_pooler=False):
+            return TransformerLanguageModel(add_decoder), "language_model"
+        """,
+    "megatron/model/t5_model.py": """
+        from megatron.model.language_model import get_language_model
+
+        class T5Model:
+            def __init__(self, add_decoder=True):
+                self.language_model, self._language_model_key = get_language_model(add_decoder=add_decoder)
+
+            def forward(self, tokens):
+                lm_output = self.language_model(tokens)
+                if self.language_model.add_decoder:
+                    decoder_output, encoder_output = lm_output
+                    return decoder_output
+                encoder_output = lm_output
+                return encoder_output
+        """}
+
+
+def test_the_forks_t5_moe_losses_are_answered_by_t5s_own_unpacking(tmp_path):
+    tree = _fake_upstream(tmp_path, _FORK_T5_MOE_LOSSES)
+    found = _failure_of("from megatron.model.t5_model import T5Model\nT5Model().forward(1)", tree)
+    assert found.exception == "ValueError" and "too many values to unpack" in found.message
+    assert registry.pick([found], []) == "fork-t5-moe-losses"
+    elsewhere = _failure_of("a, b = (1, 2, 3)")
+    assert registry.pick([elsewhere], []) is None  # the same error from another line
+
+
+def test_the_forks_t5_gets_its_language_models_two_outputs(tmp_path):
+    """As 712057c8 takes them: the decoder's and encoder's outputs, the MoE losses left; an
+    encoder-only stage's output stays whole, as the series' patch leaves it."""
+    tree = _fake_upstream(tmp_path / "tree", _FORK_T5_MOE_LOSSES)
+    code = """
+        from megatron.model.t5_model import T5Model
+        from megatron.model.language_model import get_language_model
+        print(T5Model().forward(1), T5Model(add_decoder=False).forward(1), get_language_model()[0].forward(1))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-t5-moe-losses"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == ("decoder ('encoder', 'moe loss 1', 'moe loss 2') "
+                              "('decoder', 'encoder', 'moe loss 1', 'moe loss 2')")
+    assert loaded == []
+
+
+# Megatron-DeepSpeed's T5Model from 62791cc6, and pretrain_t5.py's loss_func, as they end.
+_FORK_T5_RETURN = {
+    "megatron/__init__.py": "",
+    "megatron/model/__init__.py": "",
+    "megatron/model/t5_model.py": """
+        class T5Model:
+            def __init__(self, return_moe_loss=False):
+                self.return_moe_loss = return_moe_loss
+
+            def forward(self, tokens, lm_labels=None):
+                if lm_labels is None:
+                    return "logits"
+                lm_loss, dec_moe_losses, enc_moe_losses = "lm loss", ["decoder"], ["encoder"]
+                return lm_loss, dec_moe_losses, enc_moe_losses if self.return_moe_loss else lm_loss
+        """,
+    "fork_pretrain_t5.py": """
+        def loss_func(loss_mask, output_tensor):
+            lm_loss_ = output_tensor.float()
+            return lm_loss_
+        """}
+
+
+def test_the_forks_t5_tuple_is_answered_by_its_loss_funcs_float(tmp_path):
+    tree = _fake_upstream(tmp_path, _FORK_T5_RETURN)
+    found = _failure_of("from megatron.model.t5_model import T5Model\nfrom fork_pretrain_t5 import loss_func\n"
+                        "loss_func(None, T5Model().forward(1, lm_labels=1))", tree)
+    assert found.exception == "AttributeError" and found.message == "'tuple' object has no attribute 'float'"
+    assert registry.pick([found], []) == "fork-t5-loss"
+    elsewhere = _failure_of("(1, 2).float()")
+    assert registry.pick([elsewhere], []) is None  # the same error from another line
+
+
+def test_the_forks_t5_returns_its_loss_alone_unless_asked_for_the_moe_losses(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_T5_RETURN)
+    code = """
+        from megatron.model.t5_model import T5Model
+        print(repr(T5Model().forward(1, lm_labels=1)), T5Model(return_moe_loss=True).forward(1, lm_labels=1),
+              T5Model().forward(1))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-t5-loss"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "'lm loss' ('lm loss', ['decoder'], ['encoder']) logits"
+    assert loaded == []
+
+
+# Megatron-DeepSpeed's train() from its 2023-07 merge: the loss scaling set on a fresh config.
+_FORK_FRESH_CONFIG = {
+    "pretrain_gpt.py": "import torch\nimport deepspeed\n",  # the catalogue's mark of the fork
+    "megatron/__init__.py": """
+        import types
+        _ARGS = types.SimpleNamespace(deepspeed=False)
+
+        def get_args():
+            return _ARGS
+        """,
+    "megatron/core/__init__.py": "",
+    "megatron/core/utils.py": """
+        def get_model_config(model):
+            return model.config
+        """,
+    "megatron/arguments.py": """
+        import types
+
+        def core_transformer_config_from_args(args):
+            return types.SimpleNamespace(grad_scale_func=None)
+        """,
+    "megatron/training.py": """
+        from megatron import get_args
+        from megatron.arguments import core_transformer_config_from_args
+
+        def pretrain(model, optimizer):
+            return train(None, model, optimizer, None)
+
+        def train(forward_step_func, model, optimizer, opt_param_scheduler):
+            args = get_args()
+            config = core_transformer_config_from_args(args)
+            if not args.deepspeed:
+                config.grad_scale_func = optimizer.scale_loss
+            return model[0].config.grad_scale_func  # what the schedules read
+        """}
+
+
+def test_the_forks_fp16_loss_scale_is_listed_for_the_forks_trees_with_the_fresh_config(tmp_path):
+    from megaport.train.families import registry as families
+
+    assert all("fork-fp16-loss-scale" in families.get(name).baseline_shims for name in ("bert", "t5"))
+    fork = _fake_upstream(tmp_path / "fork", _FORK_FRESH_CONFIG)
+    assert registry.applies("fork-fp16-loss-scale", str(fork))
+    fixed = _fake_upstream(tmp_path / "fixed", {**_FORK_FRESH_CONFIG, "megatron/training.py": """
+        def train(forward_step_func, model, optimizer, opt_param_scheduler):
+            config = get_model_config(model[0])
+            config.grad_scale_func = optimizer.scale_loss
+        """})
+    assert not registry.applies("fork-fp16-loss-scale", str(fixed))  # upstream's 0b14cc27cc
+    upstream = _fake_upstream(tmp_path / "upstream", {**_FORK_FRESH_CONFIG, "pretrain_gpt.py": "import torch\n"})
+    assert not registry.applies("fork-fp16-loss-scale", str(upstream))  # the port's series leave it as it is
+
+
+def test_the_forks_fp16_loss_scale_reaches_the_models_config(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_FRESH_CONFIG)
+    code = """
+        import types
+        from megatron.training import pretrain
+        optimizer = types.SimpleNamespace(scale_loss="scale_loss")
+        print(pretrain([types.SimpleNamespace(config=types.SimpleNamespace(grad_scale_func=None))], optimizer))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-fp16-loss-scale"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "scale_loss" and loaded == []
+    stdout, _ = _run_baseline_process(code, [], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "None"  # the fork's own train()
+
+
 def test_a_failure_raised_from_another_is_matched_through_its_chain():
     found = _failure_of("try:\n    import amp_C\nexcept ImportError as exc:\n    raise RuntimeError('no kernels') from exc")
     assert [f.exception for f in found.chain()] == ["RuntimeError", "ModuleNotFoundError"]
@@ -235,12 +407,13 @@ def test_failures_round_trip_through_the_failure_folder(tmp_path, monkeypatch):
     assert registry.pick([read], []) == "apex"
 
 
-def _run_baseline_process(code: str, names: list, tmp_path: Path, src: Path = SRC) -> tuple:
+def _run_baseline_process(code: str, names: list, tmp_path: Path, src: Path = SRC, pythonpath=()) -> tuple:
     """``code`` in a fresh interpreter set up as a baseline process (shims ``names``, megaport
-    from ``src``): (its stdout, what its audit reported)."""
+    from ``src``, then ``pythonpath``): (its stdout, what its audit reported)."""
     audits = tmp_path / "audits"
     audits.mkdir(exist_ok=True)
-    env = registry.environment({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(src)}, names)
+    paths = os.pathsep.join([str(src), *map(str, pythonpath)])
+    env = registry.environment({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": paths}, names)
     env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(SRC), str(src))
     env[audit.AUDIT_DIR_ENV] = str(audits)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,

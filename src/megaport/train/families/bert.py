@@ -44,4 +44,6 @@ FAMILY = Family(
                                           "without it: 'Bert currently "
                                           "does not support flash attention. Please set env variable "
                                           "NVTE_FLASH_ATTN=0'")},
+    # Megatron-DeepSpeed's BERT takes Megatron's own loop, whose fp16 loss scaling its series fix
+    baseline_shims=("fork-fp16-loss-scale",),
 )

@@ -172,7 +172,7 @@ FAMILY = Family(
     script_reader=read_flags,
     deepspeed_config=config,
     # top-1 routing and capacity dropping are discrete: rounding that sends a token elsewhere grows
-    # with the step size. mds-2023-07-18 at GPT's 3e-3: ported vs unported up to 9.2e-3 in loss
+    # with the step size. bdef2b01 (mds-2023-08-11) at GPT's 3e-3: ported vs unported up to 9.2e-3 in loss
     # (dense, --num-experts 1: 6.2e-5); at 1e-3: 2.8e-3, the loss still -25 % in 100 steps
     parity_learning_rate=1e-3,
     # DeepSpeed's own flags (--deepspeed) are not in the fork's arguments.py: its parser adds them

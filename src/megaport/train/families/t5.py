@@ -34,7 +34,11 @@ FAMILY = Family(
     # where the parser takes the decoder's depth apart and the script does not give it (Megatron-
     # DeepSpeed's T5 then builds a decoder of None layers), the run's depth, as for the encoder
     added=((("--decoder-num-layers", "1"), "the run's depth for the decoder too, which this parser takes apart "
-                                           "and does not default"),),
+                                           "and does not default"),
+           # examples/pretrain_t5.sh before upstream's 3dadd16d (2021-06-07), which Megatron-DeepSpeed's
+           # 2021-2022 trees still ship, leaves out the sentinels pretrain_t5.py asserts
+           (("--vocab-extra-ids", "100"), "the sentinel tokens pretrain_t5.py asserts; the tree's script predates "
+                                          "upstream's 3dadd16d, which added them")),
     data="wordpiece",
     # at GPT's 3e-3 T5 spikes (core_v0.16.1: grad norm 0.3 -> 18 by step 10, loss 4.1 -> 5.8) and the
     # runs' rounding apart grows to 1.2 % in loss; at 1e-3 core's T5 still drifts apart in grad norm
@@ -42,6 +46,7 @@ FAMILY = Family(
     # (loss -27 % in 100 steps, ported vs unported 2.5e-4 in loss, 1.0e-2 in grad norm)
     parity_learning_rate=5e-4,
     # its padded decoder positions are fully masked rows, where upstream's fused kernel and its
-    # unfused path disagree: the yardstick gets the kernel's zeros (the shim's docstring measures it)
-    baseline_shims=("kernel-masked-rows",),
+    # unfused path disagree: the yardstick gets the kernel's zeros (the shim's docstring measures it);
+    # Megatron-DeepSpeed's T5 takes Megatron's own loop, whose fp16 loss scaling its series fix
+    baseline_shims=("kernel-masked-rows", "fork-fp16-loss-scale"),
 )
