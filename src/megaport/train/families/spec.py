@@ -106,11 +106,13 @@ def query_groups(sizes: example.Sizes, tree: str) -> int:
     """Grouped-query attention's groups for a shrunk run: half the heads, or one where
     ``pretrain_gpt.py`` builds upstream's legacy transformer by default (no ``--use-legacy-models``
     to opt out of it) and its GQA view refuses more (:data:`_LEGACY_GQA_VIEW`)."""
-    builds_legacy = not example.parser_has(tree, "--use-legacy-models")
-    for rel in _LEGACY_TRANSFORMERS:
-        path = os.path.join(tree, rel)
-        if builds_legacy and os.path.isfile(path) and _LEGACY_GQA_VIEW in open(path, encoding="utf-8").read():
-            return 1
+    if not example.parser_has(tree, "--use-legacy-models"):
+        for rel in _LEGACY_TRANSFORMERS:
+            path = os.path.join(tree, rel)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    if _LEGACY_GQA_VIEW in f.read():
+                        return 1
     return max(1, sizes.heads // 2)
 
 

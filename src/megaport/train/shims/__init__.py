@@ -10,7 +10,10 @@ that answers it, and the report lists it. Each shim is its own module here, list
 - ``NAME``, ``DESCRIPTION`` (what the report says), ``ERAS``, ``REPRODUCES`` (the upstream fix or
   library whose behaviour it gives);
 - ``PATTERN``: the failures it answers (:class:`~megaport.train.shims._pattern.Match`);
-- ``install()``: run in the baseline's processes at start-up, before upstream's first import.
+- ``install()``: run in the baseline's processes at start-up, before upstream's first import;
+- optionally ``applies(tree)``: whether it has anything to do in that unported tree (a model
+  family's up-front shims are installed, and listed, only where it does); ``PATTERN`` may then be
+  empty, for a shim no failure asks for (``kernel-masked-rows``: a semantic the fused kernel has).
 
 No shim reads, imports or copies the port (``megaport.replacements``): a fault in the port's
 code must show as a parity failure, never sit on both sides of it. Every baseline process proves
