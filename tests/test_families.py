@@ -175,6 +175,45 @@ def test_t5_runs_with_its_own_size_flags_and_wordpiece_data(tmp_path):
     assert any(n.startswith("--attention-backend left out") for n in notes)
 
 
+# core 0.17's tokenizer map (megatron/core/tokenizers/text/libraries/megatron_hf_tokenizer.py), in part
+_HF_TOKENIZER_MAP = """
+MEGATRON_CONFIG_MAP = {
+    "BertWordPieceLowerCase": {
+        "vocab": "https://s3.amazonaws.com/models.huggingface.co/bert/bert-large-uncased-vocab.txt",
+        "tokenizer_name": "bert-large-uncased",
+    },
+    "BertWordPieceCase": {
+        "vocab": "https://s3.amazonaws.com/models.huggingface.co/bert/bert-large-cased-vocab.txt",
+        "tokenizer_name": "bert-large-cased",
+    },
+}
+"""
+
+
+def test_a_tokenizer_system_that_loads_bert_from_the_hub_reads_the_runs_vocabulary_offline(tmp_path):
+    tree = make_tree(tmp_path / "tree", entry_points=("pretrain_t5.py",),
+                     parser="add('--data-path'); add('--tokenizer-type'); add('--vocab-file')",
+                     scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024,
+                              "megatron/core/tokenizers/text/libraries/megatron_hf_tokenizer.py": _HF_TOKENIZER_MAP})
+    assert wordpiece.hub_tokenizer_name(tree, "BertWordPieceCase") == "bert-large-cased"
+    assert wordpiece.hub_tokenizer_name(tree, "GPT2BPETokenizer") is None
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = pretrain.command(pretrain.Run(tree=tree, sizes=example.Sizes(steps=3, seq=64), family="t5"), str(work))
+    assert cmd.env["HF_HUB_OFFLINE"] == "1"
+    model = Path(cmd.env["HF_HOME"]) / "hub" / "models--bert-large-cased"
+    snapshot = model / "snapshots" / (model / "refs" / "main").read_text()
+    flags = cmd.argv
+    assert (snapshot / "vocab.txt").read_text() == Path(flags[flags.index("--vocab-file") + 1]).read_text()
+    assert '"do_lower_case": false' in (snapshot / "tokenizer_config.json").read_text()
+    assert any("bert-large-cased" in n and "offline" in n for n in cmd.notes)
+    # a tree whose tokenizer reads the vocabulary file alone gets no such environment
+    plain = make_tree(tmp_path / "plain", entry_points=("pretrain_t5.py",), parser="add('--data-path')",
+                      scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})
+    assert pretrain.command(pretrain.Run(tree=plain, sizes=example.Sizes(steps=3, seq=64), family="t5"),
+                            str(work)).env == {}
+
+
 def test_gpt_commands_are_unchanged_by_families(tmp_path):
     """GPT's run is the Run default: the same argv and notes whether or not the family is named."""
     from test_train import COMMAND_LINE
@@ -499,3 +538,28 @@ def test_t5_gives_the_sentinels_its_script_left_out_before_upstreams_3dadd16d(tm
     notes = []
     flags = _family_flags(t5, ["--num-layers", "12", "--vocab-extra-ids", "100"], tree, notes)
     assert flags.count("--vocab-extra-ids") == 1 and not any("--vocab-extra-ids" in n for n in notes)
+
+
+def test_a_value_the_eras_parser_has_no_choice_for_is_left_out_and_said(tmp_path):
+    """DeepSeek-V2-Lite's flags (2025) on core 0.9: seq_aux_loss is not among that parser's choices."""
+    tree = make_tree(tmp_path / "tree", parser=PARSER + "add('--multi-latent-attention'); add('--num-experts'); "
+                     "add('--lr'); add('--moe-router-load-balancing-type', type=str, choices=['aux_loss', 'sinkhorn', 'none'])")
+    assert example.parser_choices(tree, "--moe-router-load-balancing-type") == ("aux_loss", "sinkhorn", "none")
+    assert example.parser_choices(tree, "--num-experts") is None
+    cmd = pretrain.command(pretrain.Run(tree=tree, sizes=example.Sizes(steps=3), family="deepseek"), str(tmp_path))
+    assert "--moe-router-load-balancing-type" not in cmd.argv
+    assert any(n.startswith("--moe-router-load-balancing-type seq_aux_loss left out") for n in cmd.notes)
+    assert cmd.argv[cmd.argv.index("--lr") + 1] == "4.2e-4"  # the conf file has none; parsers before 2025 need one
+
+
+def test_deepseek_takes_one_head_where_the_trees_mla_cannot_build_more(tmp_path):
+    from megaport.train.families import deepseek
+
+    tree = make_tree(tmp_path / "tree")
+    mla = Path(tree) / "megatron/core/transformer/multi_latent_attention.py"
+    mla.parent.mkdir(parents=True)
+    mla.write_text("key = torch.cat([k_no_pe, k_pos_emb], dim=-1)\n")  # core 0.9 … 2024-12-07
+    sizes = example.Sizes()
+    assert deepseek.FAMILY.size_flags(sizes, tree)["--num-attention-heads"] == [1]
+    mla.write_text("k_pos_emb = k_pos_emb.expand(-1, -1, self.config.num_attention_heads, -1)\n")
+    assert deepseek.FAMILY.size_flags(sizes, tree)["--num-attention-heads"] == [sizes.heads]

@@ -78,6 +78,8 @@ class Command:
     cwd: str
     data: str
     notes: list = field(default_factory=list)
+    #: environment variables the run's data needs (an offline tokenizer cache), set on both sides
+    env: dict = field(default_factory=dict)
 
     def shell(self, env: dict | None = None) -> str:
         """A line to paste into a shell, with ``env``'s variables set for the command."""
@@ -101,8 +103,9 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         if family.deepspeed_config is not None:
             tokens = tokens + family.deepspeed_config(run.tree, workdir, run, notes)
     core_data = example.parser_has(run.tree, "--mock-data")
+    data_env = {}
     if family.data == "wordpiece":
-        from megaport.train.wordpiece import wordpiece_data_flags
+        from megaport.train.wordpiece import hub_tokenizer_name, offline_hub_tokenizer, wordpiece_data_flags
 
         tokenizer = example.flag_value(tokens, "--tokenizer-type") or "BertWordPieceLowerCase"
         data = wordpiece_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else
@@ -115,6 +118,12 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
             data += ["--legacy-tokenizer"]
             notes.append("--legacy-tokenizer (the run's WordPiece vocabulary file; the new tokenizer system would "
                          "download bert-large-cased from the Hugging Face hub)")
+        elif (hub := hub_tokenizer_name(run.tree, tokenizer)) is not None:
+            # core 0.17's tokenizer system has no --legacy-tokenizer and loads the hub model even
+            # with --vocab-file: the hub's files for it, holding the run's vocabulary, offline
+            data_env = offline_hub_tokenizer(workdir, hub, example.flag_value(data, "--vocab-file"))
+            notes.append(f"{hub} (what the tree's tokenizer system loads for {tokenizer}, from the Hugging Face hub) "
+                         "from a local cache holding the run's WordPiece vocabulary, offline")
     elif (core_data if run.data is None else run.data == "mock"):
         data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
     else:
@@ -149,7 +158,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
                 "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
-    return Command(launcher + [family.entry_point, *flags], run.tree, described, notes)
+    return Command(launcher + [family.entry_point, *flags], run.tree, described, notes, data_env)
 
 
 def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
@@ -168,9 +177,18 @@ def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
             notes.append(f"{flag} left out ({family.dropped[flag]})")
         elif family.drop_unknown_flags and flag.startswith("--") and not example.parser_has(tree, flag):
             notes.append(f"{flag} left out (this era's parser has no such flag)")
+        elif family.drop_unknown_flags and len(values) == 1 and _refused_choice(tree, flag, values[0]):
+            notes.append(f"{flag} {values[0]} left out (this era's parser has no such choice: its default runs)")
         else:
             out += [flag, *values]
     return out
+
+
+def _refused_choice(tree: str, flag: str, value: str) -> bool:
+    """Whether the era's parser lists ``flag``'s choices without ``value`` (a script newer than the
+    tree: DeepSeek-V2-Lite's seq_aux_loss on core 0.9)."""
+    choices = example.parser_choices(tree, flag)
+    return choices is not None and all(str(c) != value for c in choices)
 
 
 def environment(tree: str, base: dict | None = None) -> dict:
@@ -214,12 +232,19 @@ def run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) ->
                                   "deepspeed_refused": reason}
             document["notes"].append(f"DeepSpeed's engine refused this machine ({reason}): Megatron's own loop ran")
             return document
-        document["engine"] = {"name": "deepspeed", "described": deepspeed_example.DESCRIBE["deepspeed"]}
+        document["engine"] = _engine_that_ran(document)
         return document
     document = _run_pretrain(run, env, timeout=timeout)
     if deepspeed_fork.is_deepspeed_tree(run.tree):
-        document["engine"] = {"name": run.engine, "described": deepspeed_example.DESCRIBE[run.engine]}
+        document["engine"] = _engine_that_ran(document)
     return document
+
+
+def _engine_that_ran(document: dict) -> dict:
+    """A fork tree's run: DeepSpeed's engine where its command had --deepspeed (GPT's example),
+    Megatron's own loop otherwise (the fork's BERT and T5 scripts, or --engine megatron)."""
+    name = "deepspeed" if document["deepspeed_engine"] else "megatron"
+    return {"name": name, "described": deepspeed_example.DESCRIBE[name]}
 
 
 def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
@@ -231,7 +256,7 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
         from megaport.train.families import registry
 
         run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
-                   **{k: v for k, (v, _) in registry.get(run.family).environment_for(run.tree).items()}}
+                   **{k: v for k, (v, _) in registry.get(run.family).environment_for(run.tree).items()}, **cmd.env}
         proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
         died_of, port_code = failure.read(failures), audit.read(audits)
@@ -255,7 +280,7 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
             "peak_memory_kind": peak.group(2) if peak else None,
             "port_log": log.port_lines(text),
             "substitutions": [line[len(CPU_MARK):].strip() for line in text.splitlines() if line.startswith(CPU_MARK)],
-            "baseline_port_code": port_code}
+            "baseline_port_code": port_code, "deepspeed_engine": "--deepspeed" in cmd.argv}
 
 
 def _free_port() -> int:
@@ -298,9 +323,12 @@ def main(argv=None) -> int:
         workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
         os.makedirs(workdir, exist_ok=True)
         cmd = command(run, workdir, port=29500)
-        env = {**environment(run.tree, {}), **{k: v for k, (v, _) in family.environment_for(run.tree).items()}}
-        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed_fork.ACCELERATOR_ENV,
-                                             *family.environment_for(run.tree)) if k in env}))
+        # PATH as the run has it (this interpreter's folders first: upstream's helper build calls python3)
+        env = {**environment(run.tree, {}), "PATH": environment(run.tree)["PATH"],
+               **{k: v for k, (v, _) in family.environment_for(run.tree).items()}, **cmd.env}
+        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "PATH", "CUDA_DEVICE_MAX_CONNECTIONS",
+                                             deepspeed_fork.ACCELERATOR_ENV, *family.environment_for(run.tree),
+                                             *cmd.env) if k in env}))
         return 0
     print(json.dumps(run_pretrain(run)))
     return 0

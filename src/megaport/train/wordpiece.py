@@ -10,8 +10,10 @@ neighbours and the loss falls.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 
 from megaport.train.data import write_indexed_dataset
 
@@ -53,3 +55,46 @@ def wordpiece_data_flags(workdir: str, sizes, short_run: list, tokenizer: str) -
     write_indexed_dataset(prefix, sentence_documents(max(64, 2 * tokens_needed // 60), WORDS, seed=1234),
                           sentences=True)
     return ["--data-path", prefix, "--vocab-file", vocab, "--tokenizer-type", tokenizer, *short_run]
+
+
+#: the hub's tokenizer_config.json of the models upstream's new tokenizer system names for
+#: BertWordPiece* (megatron/core/tokenizers/text/libraries/megatron_hf_tokenizer.py)
+_HUB_TOKENIZERS = {"bert-large-uncased": {"do_lower_case": True, "model_max_length": 512},
+                   "bert-large-cased": {"do_lower_case": False, "model_max_length": 512}}
+_HF_TOKENIZER_MAP = "megatron/core/tokenizers/text/libraries/megatron_hf_tokenizer.py"
+_SNAPSHOT = "megaport-run"
+
+
+def hub_tokenizer_name(tree: str, tokenizer: str) -> str | None:
+    """The Hugging Face hub model the tree's tokenizer system loads for ``tokenizer`` (core 0.14's
+    new system: BertWordPieceLowerCase is ``bert-large-uncased``, a download even with
+    ``--vocab-file``), or None where the tree reads the vocabulary file alone."""
+    path = os.path.join(tree, _HF_TOKENIZER_MAP)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    entry = re.search(r'"%s":\s*\{[^}]*"tokenizer_name":\s*"([^"]+)"' % re.escape(tokenizer), text)
+    return entry.group(1) if entry and entry.group(1) in _HUB_TOKENIZERS else None
+
+
+def offline_hub_tokenizer(workdir: str, name: str, vocab: str) -> dict:
+    """A Hugging Face cache in ``workdir`` holding hub model ``name``'s tokenizer files with the run's
+    vocabulary, laid out as ``huggingface_hub`` caches a download; the environment that makes
+    ``AutoTokenizer.from_pretrained(name)`` read it offline (verify's runs have no network, and
+    both sides of a parity pair get the same files)."""
+    hub = os.path.join(workdir, "hf-home", "hub")
+    model = os.path.join(hub, "models--" + name.replace("/", "--"))
+    snapshot = os.path.join(model, "snapshots", _SNAPSHOT)
+    os.makedirs(snapshot, exist_ok=True)
+    os.makedirs(os.path.join(model, "refs"), exist_ok=True)
+    with open(os.path.join(model, "refs", "main"), "w", encoding="utf-8") as f:
+        f.write(_SNAPSHOT)
+    files = {"tokenizer_config.json": {**_HUB_TOKENIZERS[name], "tokenizer_class": "BertTokenizer"},
+             "config.json": {"model_type": "bert"}}
+    for filename, content in files.items():
+        with open(os.path.join(snapshot, filename), "w", encoding="utf-8") as f:
+            json.dump(content, f)
+    with open(vocab, encoding="utf-8") as src, open(os.path.join(snapshot, "vocab.txt"), "w", encoding="utf-8") as dst:
+        dst.write(src.read())
+    return {"HF_HOME": os.path.join(workdir, "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
