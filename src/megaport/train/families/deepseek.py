@@ -3,18 +3,56 @@ expert, the first layer dense), through ``pretrain_gpt.py``; flags from upstream
 ``examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh``.
 
 That file holds the model's flags only (ModelOpt's scripts add the rest): the run adds
-``--train-iters`` and a learning rate; the schedule is upstream's default (constant).
+``--train-iters`` and a learning rate; the schedule is upstream's default (constant). Trees with
+multi-latent attention from before the file (core 0.9 … 2025-02) take its flags as megaport
+writes them (the file has not changed since it was added, bf687df047).
 """
+
+import os
 
 from megaport.train import example
 from megaport.train.families.spec import Family, entry_point_and
 
 SCRIPT = "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh"
+#: the file's MODEL_ARGS (bf687df047, 2025-02-28, unchanged to 2026-08)
+MODEL_ARGS = tuple("""
+    --save-interval 100000 --attention-dropout 0.0 --hidden-dropout 0.0 --micro-batch-size 1 --bf16
+    --no-masked-softmax-fusion --disable-bias-linear --untie-embeddings-and-output-weights
+    --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
+    --num-layers 27 --hidden-size 2048 --ffn-hidden-size 10944 --num-attention-heads 16 --kv-channels 16
+    --multi-latent-attention --kv-lora-rank 512 --v-head-dim 128 --qk-head-dim 128 --qk-layernorm
+    --qk-pos-emb-head-dim 64 --num-experts 64 --moe-layer-freq ([0]+[1]*26) --moe-ffn-hidden-size 1408
+    --moe-grouped-gemm --moe-router-score-function softmax --moe-router-topk 6 --moe-router-topk-scaling-factor 1.0
+    --moe-router-pre-softmax --moe-shared-expert-intermediate-size 2816 --moe-aux-loss-coeff 1e-3
+    --moe-token-dispatcher-type alltoall --moe-token-drop-policy probs --moe-router-load-balancing-type seq_aux_loss
+    --seq-length 1024 --max-position-embeddings 1024 --tokenizer-type HuggingFaceTokenizer
+    --make-vocab-size-divisible-by 3200 --attention-softmax-in-fp32 --use-mcore-models --rotary-percent 1.0
+    --rotary-base 10000 --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 --sequence-parallel
+    """.split())
+
+
+#: MLA's key joins the heads' own part with the one RoPE part all heads share; until 47ab878ae7
+#: (2024-12-07) upstream concatenated them without expanding the shared part to the heads, which
+#: torch.cat refuses for more than one head ("Sizes of tensors must match"), on any device
+_MLA = "megatron/core/transformer/multi_latent_attention.py"
+_MLA_SHARED_ROPE_EXPANDED = "k_pos_emb = k_pos_emb.expand("
+
+
+def attention_heads(sizes: example.Sizes, tree: str) -> int:
+    """The shrunk run's heads: one where the tree's MLA cannot build more (:data:`_MLA`'s bug)."""
+    path = os.path.join(tree, _MLA)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if _MLA_SHARED_ROPE_EXPANDED not in f.read():
+                return 1
+    return sizes.heads
 
 
 def _sizes(sizes: example.Sizes, tree: str) -> dict:
-    head = sizes.hidden // sizes.heads
-    return {"--ffn-hidden-size": [4 * sizes.hidden], "--kv-channels": [head], "--kv-lora-rank": [2 * head],
+    heads = attention_heads(sizes, tree)
+    head = sizes.hidden // heads
+    return {"--num-attention-heads": [heads],
+            "--ffn-hidden-size": [4 * sizes.hidden], "--kv-channels": [head], "--kv-lora-rank": [2 * head],
             "--qk-head-dim": [head], "--v-head-dim": [head], "--qk-pos-emb-head-dim": [head // 2],
             "--num-experts": [8], "--moe-ffn-hidden-size": [sizes.hidden],
             "--moe-shared-expert-intermediate-size": [2 * sizes.hidden],
@@ -26,9 +64,13 @@ FAMILY = Family(
     entry_point="pretrain_gpt.py",
     summary="DeepSeek-V2-Lite: multi-latent attention, 64-expert MoE with a shared expert",
     scripts=(SCRIPT,),
+    fallback=MODEL_ARGS,
+    fallback_source=f"{SCRIPT} as of bf687df047 (the tree predates it), as megaport.train.families.deepseek writes it",
     present=entry_point_and("--multi-latent-attention", "--num-experts"),
     size_flags=_sizes,
     added=((("--train-iters", "1", "--global-batch-size", "1", "--clip-grad", "1.0"),
             "the conf file has the model's flags only: the run's iterations, one batch a step, upstream's "
-            "default clipping"),),
+            "default clipping"),
+           (("--lr", "4.2e-4"), "the conf file sets no learning rate, which parsers before 2025 require: "
+                                "DeepSeek-V2-Lite's peak rate (DeepSeek-V2 paper, appendix B)")),
 )
