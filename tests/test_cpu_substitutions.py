@@ -150,6 +150,31 @@ def test_forget_leaves_the_other_steps_for_the_module():
     assert not any(getattr(f, "fullname", None) == "megaport_test_nothing" for f in sys.meta_path)
 
 
+def test_before_import_steps_run_before_the_modules_own_code(tmp_path, monkeypatch):
+    (tmp_path / "megaport_test_names.py").write_text("built = Declared()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def declare(module):
+        module.Declared = lambda: "declared"
+        seen.append("before")
+
+    def after(module):
+        seen.append(module.built)
+
+    hooks.after_import("megaport_test_names", after)
+    hooks.before_import("megaport_test_names", declare)
+    try:
+        import megaport_test_names
+
+        assert megaport_test_names.built == "declared" and seen == ["before", "declared"]
+    finally:
+        hooks.forget("megaport_test_names", declare)
+        hooks.forget("megaport_test_names", after)
+        sys.modules.pop("megaport_test_names", None)
+    assert not any(getattr(f, "fullname", None) == "megaport_test_names" for f in sys.meta_path)
+
+
 class _Placements(torch.overrides.TorchFunctionMode):
     seen: list = []
 
