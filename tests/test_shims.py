@@ -49,7 +49,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 20
+    assert len(registry.REGISTRY) == 21
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -216,6 +216,97 @@ def test_berts_te_spec_built_at_import_is_answered_by_the_spec_module_that_raise
     assert registry.pick([found], []) == "bert-te-spec"
     elsewhere = _failure_of("raise ImportError('Please use local Bert layer spec instead.')")
     assert registry.pick([elsewhere], []) is None  # the same words raised outside the spec module
+
+
+# core 0.9's bert_layer_specs (772faca1), in the shape it fails in without TE: the TE spec built at
+# module level from names only its guarded import defines
+_CORE_09_BERT_SPECS = {"megatron/__init__.py": "", "megatron/core/__init__.py": "", "megatron/core/models/__init__.py": "",
+                       "megatron/core/models/bert/__init__.py": "",
+                       "megatron/core/models/bert/bert_layer_specs.py": """
+    try:
+        from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear, TERowParallelLinear
+        HAVE_TE = True
+    except ImportError:
+        HAVE_TE = False
+    bert_layer_with_transformer_engine_spec = (TELayerNormColumnParallelLinear, TERowParallelLinear)
+    bert_layer_local_spec = ("ColumnParallelLinear", "RowParallelLinear")
+    """}
+
+
+def test_core_09s_bert_te_spec_at_module_level_is_answered_and_imports_with_the_shim(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _CORE_09_BERT_SPECS)
+    found = _failure_of("import megatron.core.models.bert.bert_layer_specs", tree)
+    assert found.exception == "NameError" and registry.pick([found], []) == "bert-te-spec"
+    stdout, _ = _run_baseline_process("""
+        from megatron.core.models.bert import bert_layer_specs as specs
+        print(specs.HAVE_TE, specs.bert_layer_local_spec == specs.get_bert_layer_with_transformer_engine_spec())
+        try:
+            specs.bert_layer_with_transformer_engine_spec[0]()
+        except ImportError as e:
+            print("refused" if "TransformerEngine" in str(e) else e)
+        """, ["bert-te-spec"], tmp_path, pythonpath=[tree])
+    assert stdout.split() == ["False", "True", "refused"]
+
+
+
+_HF_WRAPPER = """
+class _HubTokenizer:  # transformers 5: SPECIAL_TOKENS_ATTRIBUTES without additional_special_tokens
+    SPECIAL_TOKENS_ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                                 "mask_token"]
+
+    def __init__(self):
+        self.vocab = {"[PAD]": 0, "[CLS]": 1}
+
+    def add_special_tokens(self, tokens):
+        for token in tokens.get("additional_special_tokens", []):
+            self.vocab.setdefault(token, len(self.vocab))
+        return len(tokens.get("additional_special_tokens", []))
+
+    def convert_tokens_to_ids(self, tokens):
+        return [self.vocab[t] for t in tokens]
+
+
+class HuggingFaceTokenizer:  # core 0.17's wrapper (megatron/core/tokenizers/text/libraries), in part
+    def __init__(self, tokenizer_path, vocab_file=None, additional_special_tokens=[], **kwargs):
+        self.tokenizer = _HubTokenizer()
+        self.add_special_tokens({"additional_special_tokens": additional_special_tokens})
+
+    def add_special_tokens(self, special_tokens_dict):
+        added = self.tokenizer.add_special_tokens(special_tokens_dict)
+        for k in self.tokenizer.SPECIAL_TOKENS_ATTRIBUTES:
+            setattr(self, k, getattr(self.tokenizer, k, None))
+        return added
+
+    def token_to_id(self, token):
+        return self.tokenizer.vocab[token]
+
+    @property
+    def additional_special_tokens_ids(self):
+        \"\"\"T5's sentinels.\"\"\"
+        return [self.token_to_id(token) for token in self.additional_special_tokens]
+
+
+class MegatronHFTokenizer(HuggingFaceTokenizer):
+    def __init__(self, tokenizer_path, vocab_file=None, **kwargs):
+        super().__init__(tokenizer_path, vocab_file, **kwargs)
+"""
+
+
+def test_t5s_sentinels_on_todays_transformers_are_answered_and_read_with_the_shim(tmp_path):
+    files = {"megatron/__init__.py": "", "megatron/core/__init__.py": "", "megatron/core/tokenizers/__init__.py": "",
+             "megatron/core/tokenizers/text/__init__.py": "", "megatron/core/tokenizers/text/libraries/__init__.py": "",
+             "megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py": _HF_WRAPPER}
+    tree = _fake_upstream(tmp_path / "tree", files)
+    found = _failure_of("""
+        from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import MegatronHFTokenizer
+        MegatronHFTokenizer("bert-large-cased", additional_special_tokens=["<extra_id_0>"]).additional_special_tokens_ids
+        """, tree)
+    assert found.exception == "AttributeError" and registry.pick([found], []) == "transformers-sentinels"
+    stdout, _ = _run_baseline_process("""
+        from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import MegatronHFTokenizer
+        print(MegatronHFTokenizer("bert-large-cased", additional_special_tokens=["<a>", "<b>"]).additional_special_tokens_ids)
+        """, ["transformers-sentinels"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "[2, 3]"
 
 
 # Megatron-DeepSpeed's T5Model from 50b32515 (MoE support) to 712057c8, in the shape its run fails

@@ -416,10 +416,38 @@ def _both_resize_names(module) -> None:
                 setattr(module, name, function)
 
 
-# What old upstream code needs of today's torch and NumPy right after a module loads.
+def _sentinel_tokens_kept(module) -> None:
+    """Core 0.14 … 2026-05's HuggingFaceTokenizer reads T5's sentinel tokens back through the
+    names transformers lists in ``SPECIAL_TOKENS_ATTRIBUTES``, which no longer holds
+    ``additional_special_tokens`` in transformers 5: ``pretrain_t5.py`` dies of an AttributeError
+    building its dataset. As upstream's e69a1ea43b does, the tokenizer keeps the list its
+    constructor was given and converts that; a tree with that fix is left as it is."""
+    cls = getattr(module, "HuggingFaceTokenizer", None)
+    ids = getattr(cls, "additional_special_tokens_ids", None) if cls is not None else None
+    if not isinstance(ids, property) or "_additional_special_tokens" in ids.fget.__code__.co_names:
+        return
+    original, signature = cls.__init__, inspect.signature(cls.__init__)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        self._additional_special_tokens = list(bound.arguments.get("additional_special_tokens") or [])
+        original(self, *args, **kwargs)
+
+    def additional_special_tokens_ids(self):
+        tokens = self._additional_special_tokens or getattr(self.tokenizer, "additional_special_tokens", None) or []
+        return self.tokenizer.convert_tokens_to_ids(tokens) if tokens else []
+
+    cls.__init__ = __init__
+    cls.additional_special_tokens_ids = property(additional_special_tokens_ids, doc=ids.__doc__)
+
+
+# What old upstream code needs of today's torch, NumPy and transformers right after a module loads.
 _AFTER_IMPORT_TARGET_STACK = {
     "megatron.model.vision.utils": _both_resize_names,
     "megatron.model.vision.inpainting": _both_resize_names,
+    "megatron.core.tokenizers.text.libraries.huggingface_tokenizer": _sentinel_tokens_kept,
 }
 
 
