@@ -65,3 +65,11 @@ def test_an_era_whose_log_has_no_grad_norm_compares_the_loss_alone():
     assert problems == [] and not compared["grad_norm_compared"] and not compared["grad_norm_logged"]
     _, problems = _problems(_run([v * 1.02 for v in LEARNING], [None] * 60), _run(LEARNING, [None] * 60))
     assert len(problems) == 1 and "losses differ" in problems[0]
+
+
+def test_a_zero_grad_norm_agrees_with_zero_and_fails_against_anything_else():
+    zeros = [0.0] + NORMS[1:]
+    compared, problems = _problems(_run(LEARNING, zeros), _run(LEARNING, zeros))
+    assert problems == [] and compared["grad_norm_max_relative_difference"] == 0
+    compared, problems = _problems(_run(LEARNING, NORMS), _run(LEARNING, zeros))
+    assert compared["grad_norm_max_relative_difference"] == float("inf") and len(problems) == 1

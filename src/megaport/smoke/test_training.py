@@ -29,6 +29,7 @@ or the grad norm then moves one of them by far more than the tolerance.
 from __future__ import annotations
 
 import statistics
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,22 @@ def _facts(smoke, family: str) -> dict:
     return smoke.facts.setdefault("families", {}).setdefault(family, {})
 
 
+#: each family's unported run, started beside its ported run: two processes on two trees, which
+#: share nothing; a short CPU run is mostly one thread's Python, so the pair takes little longer
+#: than one (measured in the README's verify timings)
+_BASELINES: dict = {}
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaport-baseline")
+
+
+def _baseline(smoke, family: str) -> Future:
+    """The family's unported run (:func:`baseline.run_unported`), started once."""
+    key = (str(smoke.tree), family)
+    if key not in _BASELINES:
+        _BASELINES[key] = _POOL.submit(baseline.run_unported, _pretrain_run(smoke, family, "fusions-off"),
+                                       smoke.state.get("upstream_sha"))
+    return _BASELINES[key]
+
+
 @pytest.fixture(scope="module")
 def ported_run(smoke, family):
     facts = _facts(smoke, family)
@@ -82,6 +99,8 @@ def ported_run(smoke, family):
         entry = _entry_point(smoke, family)
         facts["entry_point"] = entry
         if entry != "harness":
+            if smoke.state.get("upstream_sha"):
+                _baseline(smoke, family)
             document = pretrain.run_pretrain(_pretrain_run(smoke, family), smoke.subprocess_env())
         else:
             document = _harness(smoke, smoke.tree, "ported", smoke.subprocess_env())
@@ -126,7 +145,7 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, family, ported_r
         pytest.fail("the tree records no upstream commit (.git/megaport/state.json)", pytrace=False)
     try:
         if ported_run["entry_point"] != "harness":
-            base, _ = baseline.run_unported(_pretrain_run(smoke, family, "fusions-off"), sha)
+            base, _ = _baseline(smoke, family).result()
             shims = base["baseline_shims"]
             compared = parity.loss_parity(ported_run, base)
         else:

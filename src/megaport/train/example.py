@@ -166,6 +166,25 @@ def parser_text(tree: str) -> str:
     return ""
 
 
+def parser_choices(tree: str, flag: str) -> tuple | None:
+    """The values the tree's argument file lists as ``choices`` for ``flag`` (a literal list in
+    its ``add_argument`` call), or None where it lists none (any value, or choices made at run time)."""
+    import ast
+
+    text = parser_text(tree)
+    if f"'{flag}'" not in text and f'"{flag}"' not in text:
+        return None
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value == flag for a in node.args):
+            for keyword in node.keywords:
+                if keyword.arg == "choices":
+                    try:
+                        return tuple(ast.literal_eval(keyword.value))
+                    except ValueError:  # choices computed at run time
+                        return None
+    return None
+
+
 def fusions_off_flags(tree: str) -> list:
     """:data:`FUSIONS_OFF_FLAGS` less those the era's parser would refuse (``--no-rope-fusion``
     exists from 2024-01, ``--transformer-impl`` from 2022-12)."""

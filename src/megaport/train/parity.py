@@ -142,6 +142,13 @@ def _nones(run: dict) -> list:
     return [None] * len(run["iterations"])
 
 
+def _relative(mine: float, theirs: float) -> float:
+    """|mine - theirs| / |theirs|; two zeros agree (a grad norm of 0 on both sides: nothing to train
+    yet) and a zero against anything else is infinitely apart."""
+    if theirs == 0:
+        return 0.0 if mine == 0 else float("inf")
+    return abs(mine - theirs) / abs(theirs)
+
+
 def _worst(mine: dict, theirs: dict, iterations: list, which: int) -> float:
-    return max((abs(mine[i][which] - theirs[i][which]) / abs(theirs[i][which]) for i in iterations),
-               default=float("inf"))
+    return max((_relative(mine[i][which], theirs[i][which]) for i in iterations), default=float("inf"))
