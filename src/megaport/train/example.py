@@ -170,11 +170,15 @@ def parser_choices(tree: str, flag: str) -> tuple | None:
     """The values the tree's argument file lists as ``choices`` for ``flag`` (a literal list in
     its ``add_argument`` call), or None where it lists none (any value, or choices made at run time)."""
     import ast
+    import warnings
 
     text = parser_text(tree)
     if f"'{flag}'" not in text and f'"{flag}"' not in text:
         return None
-    for node in ast.walk(ast.parse(text)):
+    with warnings.catch_warnings():  # upstream's help strings hold escapes newer Pythons warn about
+        warnings.simplefilter("ignore", SyntaxWarning)
+        parsed = ast.parse(text)
+    for node in ast.walk(parsed):
         if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value == flag for a in node.args):
             for keyword in node.keywords:
                 if keyword.arg == "choices":
