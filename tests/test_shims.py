@@ -703,3 +703,19 @@ def test_kernel_masked_rows_applies_where_the_trees_kernel_zeroes_rows(tmp_path)
     without = _fake_upstream(tmp_path / "2024", {"megatron/core/fusions/fused_softmax.py": ""})
     assert [registry.applies("kernel-masked-rows", str(t)) for t in (before, after, without)] == [False, True, True]
     assert registry.applies("apex", str(before)), "a shim without a rule always applies"
+
+
+def test_te_norm_is_listed_for_t5_where_its_local_specs_take_the_final_norm_from_tenorm(tmp_path):
+    """core 0.13 on: TENorm is None without TE, and the local T5 blocks are then built without a
+    final norm, silently; T5 lists te-norm up front there (and in core 0.9, where it is a NameError)."""
+    from megaport.train.families import registry as families
+
+    spec = tmp_path / "megatron/core/models/T5/t5_spec.py"
+    spec.parent.mkdir(parents=True)
+    spec.write_text("def get_t5_encoder_with_local_block_spec(n):\n"
+                    "    return TransformerBlockSubmodules([layer_spec] * n, layer_norm=TENorm)\n")
+    assert registry.applies("te-norm", str(tmp_path))
+    assert "te-norm" in families.get("t5").baseline_shims
+    spec.write_text("# the legacy T5: megatron/model/t5_model.py\n")
+    assert not registry.applies("te-norm", str(tmp_path))
+    assert not registry.applies("te-norm", str(tmp_path / "nowhere"))

@@ -48,5 +48,8 @@ FAMILY = Family(
     # its padded decoder positions are fully masked rows, where upstream's fused kernel and its
     # unfused path disagree: the yardstick gets the kernel's zeros (the shim's docstring measures it);
     # Megatron-DeepSpeed's T5 takes Megatron's own loop, whose fp16 loss scaling its series fix
-    baseline_shims=("kernel-masked-rows", "fork-fp16-loss-scale"),
+    # megatron.core's local T5 block specs take their final norm from TENorm, which without TE is
+    # undefined (core 0.9: a NameError) or None (0.13 on: no final norm, silently another model):
+    # the yardstick gets TE's norm, as the port serves it
+    baseline_shims=("kernel-masked-rows", "te-norm", "fork-fp16-loss-scale"),
 )

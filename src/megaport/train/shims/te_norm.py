@@ -9,6 +9,8 @@ out), apart from the port's norm: a fault there must show as a parity failure.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megaport.train.hooks import after_import
@@ -35,6 +37,23 @@ _TE_NORM_MODULES = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.m
                     "megatron.core.transformer.multi_token_prediction",
                     # core 0.9's local T5 block specs name TENorm, defined only with TE
                     "megatron.core.models.T5.t5_spec")
+
+
+#: megatron.core's T5 specs, whose local block specs name TENorm for the final norm
+_T5_SPEC = "megatron/core/models/T5/t5_spec.py"
+
+
+def applies(tree: str) -> bool:
+    """Where T5 lists it up front: the tree's local T5 block specs take their final norm from
+    ``TENorm``. Without TE that name is undefined (core 0.9, a NameError the pattern answers anyway)
+    or None (core 0.13 on), and None builds the encoder and decoder without their final norms, a
+    different model, without any failure (core_v0.16.1: ported and unported 17x apart in grad norm
+    from the first step). Other families meet their TENorm needs as failures."""
+    path = os.path.join(tree, _T5_SPEC)
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        return "layer_norm=TENorm" in f.read()
 
 
 class TENormInTorch(torch.nn.Module):
