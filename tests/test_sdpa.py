@@ -117,6 +117,23 @@ def test_fully_masked_rows_follow_the_era(rp):
     assert torch.isfinite(zero).all() and torch.isfinite(uniform).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gradients_leave_sdpa_contiguous_as_the_unfused_gemms_left_them(rp, dtype):
+    """2021-2022's linear layers ``view`` their output's gradient in backward: T5's cross-attention
+    key and value, split from one linear's output, must get contiguous gradients back."""
+    sk, b, n, d = 24, 2, 4, 8
+    kv_linear = torch.randn(sk, b, n * 2 * d, dtype=dtype, requires_grad=True)
+    key, value = kv_linear.view(sk, b, n, 2 * d).split(d, dim=-1)
+    query = torch.randn(12, b, n, d, dtype=dtype, requires_grad=True)
+    seen = []
+    for t in (query, key, value):
+        t.register_hook(lambda grad: seen.append(grad.is_contiguous()))
+    out = rp.sdpa_core_attention(query, key, value, scale=0.25, causal=False, mask=padding_mask(b, 12, sk))
+    out.float().square().sum().backward()
+    assert seen == [True, True, True]
+    kv_linear.grad.view(sk * b, n * 2 * d)  # what upstream's backward does with it
+
+
 def test_causal_ignores_the_mask_as_the_kernel_does(rp):
     q, k, v = inputs("mha", torch.bfloat16)
     everything_masked = torch.ones(2, 1, 24, 24, dtype=torch.bool)

@@ -1410,6 +1410,21 @@ def sdpa_backend(query, key, value, mask, dropout_p: float, causal: bool, scale:
         return "unknown"
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. Upstream's linear layers of 2021-2022
+    ``view`` the gradient of their output in backward; after the unfused path's GEMMs it was always
+    contiguous, after SDPA's backward it need not be (T5's cross-attention on a 2022 tree: "view
+    size is not compatible")."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=None, dropout_p: float = 0.0,
                         fully_masked_rows_are_zero: bool = True):
     """Megatron's core attention in one SDPA call.
@@ -1422,6 +1437,8 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
     """
     sq, b, heads, dk = query.shape
     groups, dv = key.shape[2], value.shape[3]
+    if torch.is_grad_enabled():
+        query, key, value = (_ContiguousGrad.apply(t) if t.requires_grad else t for t in (query, key, value))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
     if dv < dk:  # zero columns of V add zero columns to the output: flash needs one head dim
         v = torch.nn.functional.pad(v, (0, dk - dv))
