@@ -35,4 +35,8 @@ FAMILY = Family(
              "--profile": "profiling", "--profile-step-start": "profiling", "--profile-step-end": "profiling",
              "--log-throughput": "needs the GPU's FLOP rate", "--manual-gc": "a cluster job's GC tuning",
              "--ckpt-format": "no checkpoint is saved", "--distributed-timeout-minutes": "a cluster job's timeout"},
+    # at GPT's 3e-3 the zero-centred norms' runs drift apart in grad norm near the 5 % tolerance with
+    # the loss within 5e-4 (core_v0.16.1: 5.3 %, main 4.9 %, core 0.17 3.3 %); at 1e-3 core_v0.16.1
+    # gives 9.0e-5 / 1.8e-3 and the loss still falls 26 %
+    parity_learning_rate=1e-3,
 )
