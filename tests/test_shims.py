@@ -55,7 +55,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 21
+    assert len(registry.REGISTRY) == 22
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -373,6 +373,54 @@ def test_the_forks_t5_gets_its_language_models_two_outputs(tmp_path):
     stdout, loaded = _run_baseline_process(code, ["fork-t5-moe-losses"], tmp_path, pythonpath=[tree])
     assert stdout.strip() == ("decoder ('encoder', 'moe loss 1', 'moe loss 2') "
                               "('decoder', 'encoder', 'moe loss 1', 'moe loss 2')")
+    assert loaded == []
+
+
+# Megatron-DeepSpeed's BertModel from 50b32515 to 712057c8, in the shape its run fails in.
+_FORK_BERT_MOE_LOSSES = {
+    "megatron/__init__.py": "",
+    "megatron/model/__init__.py": "",
+    "megatron/model/language_model.py": """
+        class TransformerLanguageModel:
+            def __init__(self, add_pooler):
+                self.add_pooler = add_pooler
+
+            def __call__(self, *args, **kwargs):
+                return self.forward(*args, **kwargs)
+
+            def forward(self, tokens):
+                outputs = ("encoder", "pooled") if self.add_pooler else ("encoder",)
+                return (*outputs, "moe loss 1", "moe loss 2")
+
+        def get_language_model(config=None, num_tokentypes=2, add_pooler=False):
+            return TransformerLanguageModel(add_pooler), "language_model"
+        """,
+    "megatron/model/bert_model.py": """
+        from megatron.model.language_model import get_language_model
+
+        class BertModel:
+            def __init__(self, add_binary_head=True):
+                self.add_binary_head = add_binary_head
+                self.language_model, self._language_model_key = get_language_model(add_pooler=add_binary_head)
+
+            def forward(self, tokens):
+                lm_output = self.language_model(tokens)
+                if self.add_binary_head:
+                    lm_output, pooled_output = lm_output
+                    return lm_output, pooled_output
+                return lm_output
+        """}
+
+
+def test_the_forks_bert_moe_losses_are_answered_and_left_as_712057c8_leaves_them(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_BERT_MOE_LOSSES)
+    found = _failure_of("from megatron.model.bert_model import BertModel\nBertModel().forward(1)", tree)
+    assert found.exception == "ValueError" and registry.pick([found], []) == "fork-bert-moe-losses"
+    stdout, loaded = _run_baseline_process("""
+        from megatron.model.bert_model import BertModel
+        print(BertModel().forward(1), BertModel(add_binary_head=False).forward(1))
+        """, ["fork-bert-moe-losses"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "('encoder', 'pooled') encoder"
     assert loaded == []
 
 
