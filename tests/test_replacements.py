@@ -25,6 +25,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import megaport.replacements as replacements  # noqa: E402
+from support.upstream_shapes import HF_WRAPPER_2025  # noqa: E402
 
 SOURCE = Path(replacements.__file__).with_name("rocm_port.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -1077,52 +1078,11 @@ def test_inpainting_of_2022_imports_and_calls_resize(rp, tiny_megatron):
 
 
 
-_HF_WRAPPER_2025 = """
-class _HubTokenizer:  # transformers 5: SPECIAL_TOKENS_ATTRIBUTES without additional_special_tokens
-    SPECIAL_TOKENS_ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                                 "mask_token"]
-
-    def __init__(self):
-        self.vocab = {"[PAD]": 0, "[CLS]": 1}
-
-    def add_special_tokens(self, tokens):
-        for token in tokens.get("additional_special_tokens", []):
-            self.vocab.setdefault(token, len(self.vocab))
-        return len(tokens.get("additional_special_tokens", []))
-
-    def convert_tokens_to_ids(self, tokens):
-        return [self.vocab[t] for t in tokens]
-
-
-class HuggingFaceTokenizer:  # core 0.17's wrapper (megatron/core/tokenizers/text/libraries), in part
-    def __init__(self, tokenizer_path, vocab_file=None, additional_special_tokens=[], **kwargs):
-        self.tokenizer = _HubTokenizer()
-        self.add_special_tokens({"additional_special_tokens": additional_special_tokens})
-
-    def add_special_tokens(self, special_tokens_dict):
-        added = self.tokenizer.add_special_tokens(special_tokens_dict)
-        for k in self.tokenizer.SPECIAL_TOKENS_ATTRIBUTES:
-            setattr(self, k, getattr(self.tokenizer, k, None))
-        return added
-
-    def token_to_id(self, token):
-        return self.tokenizer.vocab[token]
-
-    @property
-    def additional_special_tokens_ids(self):
-        \"\"\"T5's sentinels.\"\"\"
-        return [self.token_to_id(token) for token in self.additional_special_tokens]
-
-
-class MegatronHFTokenizer(HuggingFaceTokenizer):
-    def __init__(self, tokenizer_path, vocab_file=None, **kwargs):
-        super().__init__(tokenizer_path, vocab_file, **kwargs)
-"""
 
 
 def test_t5s_sentinel_tokens_survive_todays_transformers(rp, tiny_megatron):
     """core 0.14 … 2026-05: the wrapper reads its sentinels back through a name transformers 5 dropped."""
-    tiny_megatron({"megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py": _HF_WRAPPER_2025})
+    tiny_megatron({"megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py": HF_WRAPPER_2025})
     wrapper = importlib.import_module("megatron.core.tokenizers.text.libraries.huggingface_tokenizer")
     tokenizer = wrapper.MegatronHFTokenizer("bert-large-cased", additional_special_tokens=["<extra_id_0>", "<extra_id_1>"])
     assert tokenizer.additional_special_tokens_ids == [2, 3]

@@ -17,6 +17,7 @@ import torch
 
 from megaport.train import failure
 from megaport.train.shims import audit, registry
+from support.upstream_shapes import HF_WRAPPER_2025
 
 SRC = Path(registry.__file__).resolve().parents[3]  # the folder holding the megaport package
 
@@ -255,53 +256,12 @@ def test_core_09s_bert_te_spec_at_module_level_is_answered_and_imports_with_the_
 
 
 
-_HF_WRAPPER = """
-class _HubTokenizer:  # transformers 5: SPECIAL_TOKENS_ATTRIBUTES without additional_special_tokens
-    SPECIAL_TOKENS_ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                                 "mask_token"]
-
-    def __init__(self):
-        self.vocab = {"[PAD]": 0, "[CLS]": 1}
-
-    def add_special_tokens(self, tokens):
-        for token in tokens.get("additional_special_tokens", []):
-            self.vocab.setdefault(token, len(self.vocab))
-        return len(tokens.get("additional_special_tokens", []))
-
-    def convert_tokens_to_ids(self, tokens):
-        return [self.vocab[t] for t in tokens]
-
-
-class HuggingFaceTokenizer:  # core 0.17's wrapper (megatron/core/tokenizers/text/libraries), in part
-    def __init__(self, tokenizer_path, vocab_file=None, additional_special_tokens=[], **kwargs):
-        self.tokenizer = _HubTokenizer()
-        self.add_special_tokens({"additional_special_tokens": additional_special_tokens})
-
-    def add_special_tokens(self, special_tokens_dict):
-        added = self.tokenizer.add_special_tokens(special_tokens_dict)
-        for k in self.tokenizer.SPECIAL_TOKENS_ATTRIBUTES:
-            setattr(self, k, getattr(self.tokenizer, k, None))
-        return added
-
-    def token_to_id(self, token):
-        return self.tokenizer.vocab[token]
-
-    @property
-    def additional_special_tokens_ids(self):
-        \"\"\"T5's sentinels.\"\"\"
-        return [self.token_to_id(token) for token in self.additional_special_tokens]
-
-
-class MegatronHFTokenizer(HuggingFaceTokenizer):
-    def __init__(self, tokenizer_path, vocab_file=None, **kwargs):
-        super().__init__(tokenizer_path, vocab_file, **kwargs)
-"""
 
 
 def test_t5s_sentinels_on_todays_transformers_are_answered_and_read_with_the_shim(tmp_path):
     files = {"megatron/__init__.py": "", "megatron/core/__init__.py": "", "megatron/core/tokenizers/__init__.py": "",
              "megatron/core/tokenizers/text/__init__.py": "", "megatron/core/tokenizers/text/libraries/__init__.py": "",
-             "megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py": _HF_WRAPPER}
+             "megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py": HF_WRAPPER_2025}
     tree = _fake_upstream(tmp_path / "tree", files)
     found = _failure_of("""
         from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import MegatronHFTokenizer

@@ -44,3 +44,16 @@ def names_from(source) -> callable:
             if not name.startswith("__"):
                 setattr(module, name, value)
     return fill
+
+
+def language_models_through(module, adapt) -> None:
+    """``module.get_language_model`` (the fork's model modules import it by name) builds language
+    models passed through ``adapt(language_model)``: how the fork's MoE-loss shims reach the
+    language model T5Model and BertModel build."""
+    build = module.get_language_model
+
+    def get_language_model(*args, **kwargs):
+        language_model, key = build(*args, **kwargs)
+        return adapt(language_model), key
+
+    module.get_language_model = get_language_model

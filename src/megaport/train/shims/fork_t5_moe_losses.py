@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from megaport.train.hooks import after_import
 from megaport.train.shims._pattern import Match
+from megaport.train.shims._serve import language_models_through
 
 NAME = "fork-t5-moe-losses"
 DESCRIPTION = ("Megatron-DeepSpeed 2022-06-07..2023-08-08 (50b32515 to before 712057c8): T5Model unpacks its "
@@ -34,13 +35,7 @@ def without_moe_losses(language_model):
 
 
 def t5_language_model_without_moe_losses(module) -> None:
-    build = module.get_language_model
-
-    def get_language_model(*args, **kwargs):
-        language_model, key = build(*args, **kwargs)
-        return without_moe_losses(language_model), key
-
-    module.get_language_model = get_language_model
+    language_models_through(module, without_moe_losses)
 
 
 def install() -> None:
