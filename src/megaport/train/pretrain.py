@@ -102,35 +102,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         tokens = _family_flags(family, tokens, run.tree, notes)
         if family.deepspeed_config is not None:
             tokens = tokens + family.deepspeed_config(run.tree, workdir, run, notes)
-    core_data = example.parser_has(run.tree, "--mock-data")
-    data_env = {}
-    if family.data == "wordpiece":
-        from megaport.train.wordpiece import hub_tokenizer_name, offline_hub_tokenizer, wordpiece_data_flags
-
-        tokenizer = example.flag_value(tokens, "--tokenizer-type") or "BertWordPieceLowerCase"
-        data = wordpiece_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else
-                                    example.SHORT_RUN_SENTENCES, tokenizer)
-        described = f"a tiny indexed dataset of multi-sentence documents and a WordPiece vocabulary ({tokenizer}) " \
-                    "written for the run"
-        if example.parser_has(run.tree, "--legacy-tokenizer"):
-            # core 0.14 on: the new tokenizer system takes BertWordPiece* from the Hugging Face hub
-            # (bert-large-cased), a download; the legacy one reads the run's vocabulary file
-            data += ["--legacy-tokenizer"]
-            notes.append("--legacy-tokenizer (the run's WordPiece vocabulary file; the new tokenizer system would "
-                         "download bert-large-cased from the Hugging Face hub)")
-        elif (hub := hub_tokenizer_name(run.tree, tokenizer)) is not None:
-            # core 0.17's tokenizer system has no --legacy-tokenizer and loads the hub model even
-            # with --vocab-file: the hub's files for it, holding the run's vocabulary, offline
-            data_env = offline_hub_tokenizer(workdir, hub, example.flag_value(data, "--vocab-file"))
-            notes.append(f"{hub} (what the tree's tokenizer system loads for {tokenizer}, from the Hugging Face hub) "
-                         "from a local cache holding the run's WordPiece vocabulary, offline")
-    elif (core_data if run.data is None else run.data == "mock"):
-        data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
-    else:
-        from megaport.train.data import indexed_data_flags
-
-        data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else example.SHORT_RUN)
-        described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
+    data, described, data_env = _data(run, family, tokens, workdir, notes)
     flags = example.shrunk(tokens, run.sizes, data=data, tree=run.tree, notes=notes,
                            more_sizes=family.size_flags(run.sizes, run.tree)) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
@@ -159,6 +131,47 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
                 "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
                 "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
     return Command(launcher + [family.entry_point, *flags], run.tree, described, notes, data_env)
+
+
+def _data(run: Run, family, tokens: list, workdir: str, notes: list) -> tuple:
+    """The run's data, written to ``workdir``: (its flags, what it is, the environment it needs)."""
+    core_data = example.parser_has(run.tree, "--mock-data")
+    if family.data == "wordpiece":
+        return _wordpiece_data(run, tokens, workdir, notes, core_data)
+    if (core_data if run.data is None else run.data == "mock"):
+        data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
+    else:
+        from megaport.train.data import indexed_data_flags
+
+        data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else example.SHORT_RUN)
+        described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
+    return data, described, {}
+
+
+def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data: bool) -> tuple:
+    """BERT's and T5's data (:mod:`megaport.train.wordpiece`) and how the tree's tokenizer reads
+    its vocabulary without a download: (flags, what it is, the environment it needs)."""
+    from megaport.train.wordpiece import hub_tokenizer_name, offline_hub_tokenizer, wordpiece_data_flags
+
+    data_env = {}
+    tokenizer = example.flag_value(tokens, "--tokenizer-type") or "BertWordPieceLowerCase"
+    data = wordpiece_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else
+                                example.SHORT_RUN_SENTENCES, tokenizer)
+    described = f"a tiny indexed dataset of multi-sentence documents and a WordPiece vocabulary ({tokenizer}) " \
+                "written for the run"
+    if example.parser_has(run.tree, "--legacy-tokenizer"):
+        # core 0.14 on: the new tokenizer system takes BertWordPiece* from the Hugging Face hub
+        # (bert-large-cased), a download; the legacy one reads the run's vocabulary file
+        data += ["--legacy-tokenizer"]
+        notes.append("--legacy-tokenizer (the run's WordPiece vocabulary file; the new tokenizer system would "
+                     "download bert-large-cased from the Hugging Face hub)")
+    elif (hub := hub_tokenizer_name(run.tree, tokenizer)) is not None:
+        # core 0.17's tokenizer system has no --legacy-tokenizer and loads the hub model even
+        # with --vocab-file: the hub's files for it, holding the run's vocabulary, offline
+        data_env = offline_hub_tokenizer(workdir, hub, example.flag_value(data, "--vocab-file"))
+        notes.append(f"{hub} (what the tree's tokenizer system loads for {tokenizer}, from the Hugging Face hub) "
+                     "from a local cache holding the run's WordPiece vocabulary, offline")
+    return data, described, data_env
 
 
 def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
