@@ -74,8 +74,9 @@ def _facts(smoke, family: str) -> dict:
 
 
 #: each family's unported run, started beside its ported run: two processes on two trees, which
-#: share nothing; a short CPU run is mostly one thread's Python, so the pair takes little longer
-#: than one (measured in the README's verify timings)
+#: share nothing; a short CPU run is mostly one thread's Python, so on 2 cores the pair takes little
+#: longer than one (main's Llama, loaded machine: 48 s + 30 s of waiting, against 63 s + 114 s one
+#: after the other in the last session's matrix)
 _BASELINES: dict = {}
 _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaport-baseline")
 
