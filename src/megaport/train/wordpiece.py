@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 
 from megaport.train.data import write_indexed_dataset
 
@@ -95,6 +96,5 @@ def offline_hub_tokenizer(workdir: str, name: str, vocab: str) -> dict:
     for filename, content in files.items():
         with open(os.path.join(snapshot, filename), "w", encoding="utf-8") as f:
             json.dump(content, f)
-    with open(vocab, encoding="utf-8") as src, open(os.path.join(snapshot, "vocab.txt"), "w", encoding="utf-8") as dst:
-        dst.write(src.read())
+    shutil.copyfile(vocab, os.path.join(snapshot, "vocab.txt"))
     return {"HF_HOME": os.path.join(workdir, "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
