@@ -5,7 +5,9 @@ Upstream ships no Llama-2 training script; the architecture flags are those upst
 ``docs/llama_mistral.md`` gives for its Llama-2/3 checkpoints (``--normalization RMSNorm --swiglu
 --position-embedding-type rope --no-position-embedding --disable-bias-linear
 --untie-embeddings-and-output-weights --group-query-attention``, ROCm's Megatron-LM guide trains
-Llama-2 with the same), the training flags those of the gpt3 example. No ``--apply-layernorm-1p``
+Llama-2 with the same), the attention backend that of ``examples/llama`` (``--attention-backend
+fused``, left out where the era's parser has no such flag), the training flags those of the gpt3
+example. No ``--apply-layernorm-1p``
 (Llama 3's zero-centred gamma, the ``llama3`` family) and no FP8: both need TransformerEngine.
 """
 
@@ -15,7 +17,7 @@ from megaport.train.families.spec import Family, entry_point_and, query_groups
 ARCHITECTURE = ("--normalization RMSNorm --swiglu --position-embedding-type rope --no-position-embedding "
                 "--disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention "
                 "--num-query-groups 8 --attention-dropout 0.0 --hidden-dropout 0.0 --rotary-percent 1.0 "
-                "--init-method-std 0.02 --norm-epsilon 1e-5").split()
+                "--init-method-std 0.02 --norm-epsilon 1e-5 --attention-backend fused").split()
 # Llama-2 7B's sizes (Touvron et al. 2023, table 1), shrunk by the run like every family's
 SIZES = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length 4096 "
          "--max-position-embeddings 4096").split()
