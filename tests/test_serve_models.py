@@ -104,6 +104,58 @@ def test_norm_gradients_match_autograd_of_the_formula(rp):
     assert torch.allclose(norm.weight.grad, w.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_norm_keeps_the_formula_forward_and_backward(rp, monkeypatch, capsys, dtype):
+    """Where compiling is on (a GPU with Triton; forced here: inductor writes C++ on a CPU), the
+    port's norm runs as compiled kernels, forward and backward, with the eager path's values."""
+    monkeypatch.setenv(rp._COMPILE_ENV, "1")
+    monkeypatch.setattr(rp, "_COMPILED", {})
+    monkeypatch.setattr(rp, "_SAID", set())
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    for normalization in ("RMSNorm", "LayerNorm"):
+        norm = rp.Norm(_config(normalization, True), 32, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(32) * 0.1)
+        norm = norm.to(dtype)
+        x = (torch.randn(6, 2, 32) * 2 + 0.5).to(dtype).requires_grad_(True)
+        g = torch.randn(6, 2, 32).to(dtype)
+        compiled = norm(x)
+        compiled.backward(g)
+        grads = [x.grad.clone()] + [p.grad.clone() for p in norm.parameters()]
+        x.grad = None
+        norm.zero_grad(set_to_none=True)
+        monkeypatch.setenv(rp._COMPILE_ENV, "0")
+        eager = norm(x)
+        eager.backward(g)
+        monkeypatch.setenv(rp._COMPILE_ENV, "1")
+        tol = TOL[dtype] * 4
+        assert compiled.dtype == dtype
+        assert (compiled.double() - eager.double()).abs().max().item() <= tol * eager.double().abs().max().item()
+        for got, want in zip(grads, [x.grad] + [p.grad for p in norm.parameters()]):
+            assert (got.double() - want.double()).abs().max().item() <= tol * want.double().abs().max().item()
+    assert sorted(key[2] for key in rp._COMPILED) == ["LayerNorm", "RMSNorm"]
+    assert all(fn is not None for fn in rp._COMPILED.values())
+    assert capsys.readouterr().out.count("> ROCm port: norm: each pass compiled into one kernel") == 1
+
+
+def test_norm_compile_failure_runs_the_eager_norm_with_one_line(rp, monkeypatch, capsys):
+    monkeypatch.setenv(rp._COMPILE_ENV, "1")
+    monkeypatch.setattr(rp, "_COMPILED", {})
+    monkeypatch.setattr(rp, "_SAID", set())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no working Triton here")
+
+    monkeypatch.setattr(rp.torch, "compile", broken)
+    norm = rp.Norm(_config("RMSNorm"), 8, eps=1e-6)
+    x = torch.randn(3, 8)
+    assert torch.allclose(norm(x).double(), ref_rms_norm(x, norm.weight, 1e-6), rtol=1e-5, atol=1e-6)
+    norm(x)  # not tried again
+    assert list(rp._COMPILED.values()) == [None]
+    assert capsys.readouterr().out.count("> ROCm port: norm: compiling failed (RuntimeError: no working Triton") == 1
+
+
 def test_unknown_normalization_is_one_line_error(rp):
     with pytest.raises(ValueError, match="L2Norm") as info:
         rp.Norm(_config("L2Norm"), 8)

@@ -526,7 +526,15 @@ class Norm(torch.nn.Module):
                 self.bias.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return norm_forward(input, self.weight, self.bias, self.normalization, self.eps, self.zero_centered_gamma)
+        args = (input, self.weight, self.bias, self.normalization, self.eps, self.zero_centered_gamma)
+        if input.numel():
+            # one kernel per pass where Triton is (see _run_compiled); the eager math has up to
+            # seven, each reading or writing an fp32 copy of the activations
+            out = _run_compiled("norm", ("norm", input.dtype, self.normalization, self.zero_centered_gamma),
+                                norm_forward, input.device, *args)
+            if out is not None:
+                return out
+        return norm_forward(*args)
 
 
 def norm_forward(input, weight, bias, normalization: str, eps: float, zero_centered_gamma: bool):
@@ -1115,7 +1123,8 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
 # Where Triton is available (PyTorch's ROCm and CUDA builds ship it), each softmax pass is one
 # compiled kernel: the input is read once and the result written once, the math is fp32 in
 # registers, and the causal mask is computed from indices, never stored.  The eager passes above
-# read and write the data three or four times.  Everywhere else, and from the moment compiling
+# read and write the data three or four times.  The port's norm (TE's, for Llama 3, MoE and MLA
+# specs) is compiled the same way: fp32 casts, statistics and gamma in one kernel per pass.  Everywhere else, and from the moment compiling
 # fails (one line says why), the eager paths run.  MEGATRON_ROCM_PORT_COMPILE=0 turns it off;
 # =1 turns it on for any device (on a CPU inductor writes C++ instead of Triton).
 _COMPILE_ENV = "MEGATRON_ROCM_PORT_COMPILE"
@@ -1173,12 +1182,13 @@ def _softmax_backward_body(g, y, scale: float):
     return (scale * yf * (gf - (gf * yf).sum(-1, keepdim=True))).to(y.dtype)
 
 
-def _run_compiled(key, body, device, *args):
+def _run_compiled(what: str, key, body, device, *args):
     """``body(*args)`` compiled, or None when compiling is not wanted here or has failed.
 
-    Each kind of call (``key``: pass, dtype, mask kind) fails on its own: a failure turns that
-    kind, not every softmax, back to the eager path. (torch.compile's recompile limit counts per
-    body, whatever the key.)"""
+    ``what`` names the port's op in the log line (the fused softmax, the norm). Each kind of call
+    (``key``: pass, dtype, mask kind) fails on its own: a failure turns that kind, not every call
+    of the op, back to the eager path. (torch.compile's recompile limit counts per body, whatever
+    the key.) Autograd goes through a compiled ``body`` too: its backward is compiled with it."""
     if not _compile_wanted(device):
         return None
     if _COMPILED.get(key, True) is None:
@@ -1189,13 +1199,13 @@ def _run_compiled(key, body, device, *args):
         if key not in _COMPILED:
             # dynamic: one compile serves every sequence length (no recompiles as shapes change)
             _COMPILED[key] = torch.compile(body, dynamic=True, fullgraph=True)
-            say_once("fused softmax: each pass compiled into one kernel "
+            say_once(f"{what}: each pass compiled into one kernel "
                      f"({'Triton' if device.type == 'cuda' else device.type}); {_COMPILE_ENV}=0 turns this off")
         out = _COMPILED[key](*args)
     except Exception as exc:  # compiling can fail in many ways; the eager path is always right
         _COMPILED[key] = None
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        say_once(f"fused softmax: compiling failed ({type(exc).__name__}: {reason}); "
+        say_once(f"{what}: compiling failed ({type(exc).__name__}: {reason}); "
                  "the eager PyTorch path runs instead")
         return None
     return out if out.is_contiguous() else out.contiguous()
@@ -1211,7 +1221,7 @@ def _scaled_softmax_forward(x, scale, mask, fill, fully_masked_rows_are_zero, ca
     compute = _compute_dtype(x)
     if x.numel():
         kind = ("forward", x.dtype, causal, mask is None, fully_masked_rows_are_zero)
-        y = _run_compiled(kind, _softmax_forward_body, x.device,
+        y = _run_compiled("fused softmax", kind, _softmax_forward_body, x.device,
                           x.reshape(_as4d(x.shape)), None if causal else mask, scale, fill, causal,
                           fully_masked_rows_are_zero)
         if y is not None:
@@ -1257,7 +1267,7 @@ def _fill_scaled_softmax_(work, x, scale, mask, fill, fully_masked_rows_are_zero
 def _scaled_softmax_backward(g, y, scale):
     """``scale * (y*g - y*sum(y*g, -1))`` with the kernels' fp32 math, in y's dtype."""
     if y.numel():
-        gi = _run_compiled(("backward", y.dtype), _softmax_backward_body, y.device, g, y, scale)
+        gi = _run_compiled("fused softmax", ("backward", y.dtype), _softmax_backward_body, y.device, g, y, scale)
         if gi is not None:
             return gi
     gi = torch.empty(y.shape, dtype=y.dtype, device=y.device)
