@@ -15,6 +15,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from megaport.train.tree_files import tree_says, tree_text
+
 #: The example scripts, newest layout first; a tree that has one is read.
 EXAMPLE_SCRIPTS = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/pretrain_gpt.sh",
                    "examples/pretrain_gpt_distributed.sh")
@@ -67,10 +69,9 @@ def example_flags(tree: str) -> tuple[list, str]:
     """The example script's flags (see :func:`script_flags`) and where they came from: the tree's
     script, else the copy above."""
     for rel in EXAMPLE_SCRIPTS:
-        path = os.path.join(tree, rel)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return script_flags(f.read()), f"{rel} of the tree"
+        text = tree_text(tree, rel)
+        if text is not None:
+            return script_flags(text), f"{rel} of the tree"
     return list(EXAMPLE_FLAGS), f"{EXAMPLE_SCRIPT} as of 2024-2026 (the tree has no example script)"
 
 
@@ -158,12 +159,7 @@ def parser_help_flags(tree: str) -> frozenset:
 
 def parser_text(tree: str) -> str:
     """The text of the tree's argument parser (empty when it has none)."""
-    for rel in ARGUMENT_FILES:
-        path = os.path.join(tree, rel)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    return ""
+    return tree_text(tree, *ARGUMENT_FILES) or ""
 
 
 def parser_choices(tree: str, flag: str) -> tuple | None:
@@ -243,8 +239,7 @@ def mock_data_is_learnable(tree: str) -> bool:
     """Whether the tree's mock documents count modulo the vocabulary (core 0.13 on), so a small
     vocabulary makes them learnable in a short run; older ones count up to 4096 whatever it is,
     which a hundred iterations at two sequences each barely begin to learn."""
-    path = os.path.join(tree, _MOCK_DATASET)
-    return os.path.isfile(path) and "% self.vocab_size" in open(path, encoding="utf-8").read()
+    return tree_says(tree, _MOCK_DATASET, "% self.vocab_size")
 
 
 def parity_data(sizes: Sizes, tree: str) -> tuple:

@@ -9,14 +9,14 @@ import os
 
 from megaport.train import example
 from megaport.train.families.spec import Family
+from megaport.train.tree_files import tree_says
 
 _BERT_MODEL = "megatron/core/models/bert/bert_model.py"
 
 
 def _bert_model_asks_for_nvte(tree: str) -> bool:
     """Whether the tree's megatron.core BertModel reads NVTE_FLASH_ATTN (core 0.6 to 0.9)."""
-    path = os.path.join(tree, _BERT_MODEL)
-    return os.path.isfile(path) and "NVTE_FLASH_ATTN" in open(path, encoding="utf-8").read()
+    return tree_says(tree, _BERT_MODEL, "NVTE_FLASH_ATTN")
 
 
 FAMILY = Family(

@@ -8,10 +8,10 @@ multi-latent attention from before the file (core 0.9 … 2025-02) take its flag
 writes them (the file has not changed since it was added, bf687df047).
 """
 
-import os
 
 from megaport.train import example
 from megaport.train.families.spec import Family, entry_point_and
+from megaport.train.tree_files import tree_text
 
 SCRIPT = "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh"
 #: the file's MODEL_ARGS (bf687df047, 2025-02-28, unchanged to 2026-08)
@@ -40,12 +40,8 @@ _MLA_SHARED_ROPE_EXPANDED = "k_pos_emb = k_pos_emb.expand("
 
 def attention_heads(sizes: example.Sizes, tree: str) -> int:
     """The shrunk run's heads: one where the tree's MLA cannot build more (:data:`_MLA`'s bug)."""
-    path = os.path.join(tree, _MLA)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            if _MLA_SHARED_ROPE_EXPANDED not in f.read():
-                return 1
-    return sizes.heads
+    text = tree_text(tree, _MLA)
+    return 1 if text is not None and _MLA_SHARED_ROPE_EXPANDED not in text else sizes.heads
 
 
 def _sizes(sizes: example.Sizes, tree: str) -> dict:

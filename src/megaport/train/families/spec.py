@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megaport.train import example
+from megaport.train.tree_files import tree_text
 
 
 def _always(tree: str) -> bool:
@@ -76,10 +77,8 @@ class Family:
         """The family's flags for ``tree`` and where they came from: the tree's script, else the
         fallback set."""
         for rel in self.scripts:
-            path = os.path.join(tree, rel)
-            if os.path.isfile(path):
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
+            text = tree_text(tree, rel)
+            if text is not None:
                 if self.script_reader is not None:
                     return self.script_reader(text), f"{rel} of the tree"
                 return example.script_flags(text, quoted_strings=self.drop_unknown_flags), f"{rel} of the tree"
@@ -106,13 +105,9 @@ def query_groups(sizes: example.Sizes, tree: str) -> int:
     """Grouped-query attention's groups for a shrunk run: half the heads, or one where
     ``pretrain_gpt.py`` builds upstream's legacy transformer by default (no ``--use-legacy-models``
     to opt out of it) and its GQA view refuses more (:data:`_LEGACY_GQA_VIEW`)."""
-    if not example.parser_has(tree, "--use-legacy-models"):
-        for rel in _LEGACY_TRANSFORMERS:
-            path = os.path.join(tree, rel)
-            if os.path.isfile(path):
-                with open(path, encoding="utf-8") as f:
-                    if _LEGACY_GQA_VIEW in f.read():
-                        return 1
+    if not example.parser_has(tree, "--use-legacy-models") and _LEGACY_GQA_VIEW in (
+            tree_text(tree, *_LEGACY_TRANSFORMERS) or ""):
+        return 1
     return max(1, sizes.heads // 2)
 
 

@@ -10,10 +10,10 @@ it applies to the fork's trees that have those lines, whose series carry the sam
 
 from __future__ import annotations
 
-import os
 import re
 
 from megaport.train.hooks import after_import
+from megaport.train.tree_files import tree_text
 
 NAME = "fork-fp16-loss-scale"
 DESCRIPTION = ("Megatron-DeepSpeed from 9e72d571 (2023-07-04): train() sets grad_scale_func on a config it builds "
@@ -32,11 +32,7 @@ def applies(tree: str) -> bool:
     """Whether the unported ``tree`` is the fork's and its train() scales the loss on a fresh config."""
     from megaport.deepspeed_fork import is_deepspeed_tree
 
-    path = os.path.join(tree, "megatron", "training.py")
-    if not (is_deepspeed_tree(tree) and os.path.isfile(path)):
-        return False
-    with open(path, encoding="utf-8") as f:
-        return _FRESH_CONFIG.search(f.read()) is not None
+    return is_deepspeed_tree(tree) and _FRESH_CONFIG.search(tree_text(tree, "megatron/training.py") or "") is not None
 
 
 def loss_scale_on_the_models_config(module) -> None:

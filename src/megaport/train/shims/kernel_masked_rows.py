@@ -15,9 +15,9 @@ the unfused path stays as it is.
 from __future__ import annotations
 
 import functools
-import os
 
 from megaport.train.hooks import after_import
+from megaport.train.tree_files import tree_text
 
 NAME = "kernel-masked-rows"
 DESCRIPTION = ("upstream's unfused softmax gives a fully masked row (16-bit, padding mask) the zeros its fused "
@@ -38,12 +38,8 @@ _SOFTMAX_MODULES = ("megatron.model.fused_softmax", "megatron.core.fusions.fused
 def applies(tree: str) -> bool:
     """Whether the unported ``tree``'s masked-softmax kernel zeroes fully masked rows: its own
     kernel source says so, or it has none (the kernel then comes from apex or TE)."""
-    for rel in _KERNEL_HEADER:
-        path = os.path.join(tree, rel)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return _ZEROING in f.read()
-    return True
+    header = tree_text(tree, *_KERNEL_HEADER)
+    return header is None or _ZEROING in header
 
 
 def zero_fully_masked_rows(module) -> None:

@@ -9,12 +9,12 @@ out), apart from the port's norm: a fault there must show as a parity failure.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from megaport.train.hooks import after_import
 from megaport.train.shims._pattern import Match
+from megaport.train.tree_files import tree_says
 
 NAME = "te-norm"
 DESCRIPTION = ("TransformerEngine's norm in plain PyTorch (RMSNorm/LayerNorm, zero-centered gamma) where upstream's "
@@ -49,11 +49,7 @@ def applies(tree: str) -> bool:
     or None (core 0.13 on), and None builds the encoder and decoder without their final norms, a
     different model, without any failure (core_v0.16.1: ported and unported 17x apart in grad norm
     from the first step). Other families meet their TENorm needs as failures."""
-    path = os.path.join(tree, _T5_SPEC)
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        return "layer_norm=TENorm" in f.read()
+    return tree_says(tree, _T5_SPEC, "layer_norm=TENorm")
 
 
 class TENormInTorch(torch.nn.Module):
