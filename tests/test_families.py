@@ -16,7 +16,7 @@ from megaport.train import example, pretrain, wordpiece
 from megaport.train.families import registry
 from megaport.train.families.spec import Family
 
-ALL = ["gpt", "bert", "t5", "llama", "llama3", "mixtral", "deepseek", "ds-moe"]
+ALL = ["gpt", "bert", "t5", "llama", "llama3", "mixtral", "deepseek", "ds-moe", "megablocks-moe"]
 # the architecture flags the non-GPT families' presence rules read in the era's parser
 PARSER = """
 add('--normalization'); add('--swiglu'); add('--group-query-attention'); add('--disable-bias-linear')
@@ -84,7 +84,8 @@ def test_the_registry_holds_one_spec_per_family_module():
     assert all(isinstance(f, Family) and f.name == name for name, f in registry.FAMILIES.items())
     assert registry.get("bert").entry_point == "pretrain_bert.py"
     assert registry.get("t5").entry_point == "pretrain_t5.py"
-    assert {registry.get(n).entry_point for n in ("gpt", "llama", "llama3", "mixtral", "deepseek", "ds-moe")} == \
+    assert {registry.get(n).entry_point for n in ("gpt", "llama", "llama3", "mixtral", "deepseek", "ds-moe",
+                                                  "megablocks-moe")} == \
         {"pretrain_gpt.py"}
 
 
@@ -110,6 +111,40 @@ def test_an_unknown_family_is_a_one_line_error_naming_the_known_ones():
 def test_each_tree_has_the_families_its_entry_points_and_parser_allow(tmp_path, entry_points, parser, expected):
     tree = make_tree(tmp_path, entry_points=entry_points, parser=parser)
     assert [f.name for f in registry.families_for(tree)] == expected
+
+
+def test_stanfords_megablocks_moe_is_present_with_its_adapter_and_parser_flag(tmp_path):
+    stanford = make_tree(tmp_path / "stanford", entry_points=("pretrain_gpt.py", "pretrain_bert.py", "pretrain_t5.py"),
+                         parser="add('--moe-num-experts'); add('--moe-capacity-factor'); add('--moe-top-k')",
+                         scripts={"megatron/model/megablocks_utils.py": "import megablocks\n"})
+    assert [f.name for f in registry.families_for(stanford)] == ["gpt", "bert", "t5", "megablocks-moe"]
+    no_adapter = make_tree(tmp_path / "upstream", parser="add('--moe-num-experts')")
+    assert "megablocks-moe" not in [f.name for f in registry.families_for(no_adapter)]
+
+
+def test_megablocks_moe_runs_megablocks_script_flags_shrunk_to_four_experts(tmp_path):
+    """MegaBlocks' exp/moe script's MoE, model and compute flags, shrunk like every family's, with
+    four experts; a flag the era's parser lacks is left out."""
+    parser = "".join(f"add('{f}')\n" for f in (
+        "--moe-num-experts", "--moe-capacity-factor", "--moe-loss-weight", "--moe-top-k", "--fp16", "--DDP-impl",
+        "--moe-expert-model-parallelism", "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+        "--max-position-embeddings", "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr",
+        "--lr-decay-iters", "--min-lr", "--lr-decay-style", "--lr-warmup-fraction", "--clip-grad",
+        "--init-method-std"))
+    tree = make_tree(tmp_path, parser=parser, scripts={"megatron/model/megablocks_utils.py": ""})
+    family = registry.get("megablocks-moe")
+    assert family.needs == ("megablocks",)
+    notes: list = []
+    tokens, source = family.flags(tree)
+    assert "exp/moe/moe_46m_8gpu.sh" in source
+    kept = pretrain._family_flags(family, tokens, tree, notes)
+    flags = example.shrunk(kept, example.Sizes(), data=[], tree=tree, notes=notes,
+                           more_sizes=family.size_flags(example.Sizes(), tree))
+    assert example.flag_value(flags, "--moe-num-experts") == "4"
+    assert example.flag_value(flags, "--moe-capacity-factor") == "16384"
+    assert "--fp16" in flags and "--moe-expert-model-parallelism" in flags
+    assert "--no-async-tensor-model-parallel-allreduce" not in flags  # not in this parser
+    assert any("--no-async-tensor-model-parallel-allreduce left out" in n for n in notes)
 
 
 def test_llama3_is_present_where_the_tree_has_its_script(tmp_path):
@@ -563,3 +598,19 @@ def test_deepseek_takes_one_head_where_the_trees_mla_cannot_build_more(tmp_path)
     assert deepseek.FAMILY.size_flags(sizes, tree)["--num-attention-heads"] == [1]
     mla.write_text("k_pos_emb = k_pos_emb.expand(-1, -1, self.config.num_attention_heads, -1)\n")
     assert deepseek.FAMILY.size_flags(sizes, tree)["--num-attention-heads"] == [sizes.heads]
+
+
+def test_a_family_whose_layers_need_a_missing_package_skips_with_one_line():
+    """verify's training tests of such a family skip, saying which upstream dependency is missing
+    (``--strict`` counts the skip); with the package there, nothing is skipped."""
+    from megaport.smoke.test_training import _skip_without_what_the_model_needs
+
+    facts: dict = {}
+    missing = Family(name="moe-x", entry_point="pretrain_gpt.py", summary="", needs=("megaport_no_such_package",))
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        _skip_without_what_the_model_needs(missing, facts)
+    line = str(skipped.value)
+    assert line == facts["error"] and "\n" not in line
+    assert line.startswith("needs megaport_no_such_package, an upstream dependency not installed here")
+    _skip_without_what_the_model_needs(Family(name="moe-y", entry_point="pretrain_gpt.py", summary="",
+                                              needs=("json",)), {})

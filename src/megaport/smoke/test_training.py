@@ -28,13 +28,14 @@ or the grad norm then moves one of them by far more than the tolerance.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from megaport.smoke import _locate, _session
+from megaport.smoke import _locate, _session, _verdicts
 from megaport.train import baseline, parity, pretrain
 from megaport.train.harness import launcher
 from megaport.train.families import registry
@@ -90,12 +91,23 @@ def _baseline(smoke, family: str) -> Future:
     return _BASELINES[key]
 
 
+def _skip_without_what_the_model_needs(spec, facts: dict) -> None:
+    """A family whose model is a third-party package's (:attr:`Family.needs`) skips where that
+    package is not installed, with the suite's one line for a missing upstream dependency."""
+    for package in spec.needs:
+        if importlib.util.find_spec(package) is None:
+            _, why = _verdicts.missing_import_verdict(package)
+            facts["error"] = f"{why} (the {spec.name} family's layers are {package}'s)"
+            pytest.skip(facts["error"])
+
+
 @pytest.fixture(scope="module")
 def ported_run(smoke, family):
     facts = _facts(smoke, family)
     spec = registry.get(family)
     facts["entry_point"] = spec.entry_point
     facts["flags_from"] = spec.flags(str(smoke.tree))[1]  # said even where the run fails
+    _skip_without_what_the_model_needs(spec, facts)
     try:
         entry = _entry_point(smoke, family)
         facts["entry_point"] = entry

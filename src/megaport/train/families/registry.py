@@ -4,12 +4,12 @@ and a line here, never a branch in the runner."""
 from __future__ import annotations
 
 from megaport.errors import MegaportError
-from megaport.train.families import bert, deepseek, ds_moe, gpt, llama, llama3, mixtral, t5
+from megaport.train.families import bert, deepseek, ds_moe, gpt, llama, llama3, megablocks_moe, mixtral, t5
 from megaport.train.families.spec import Family
 
 #: name -> spec, in the order verify runs them (GPT first: its rows predate families)
 FAMILIES = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, llama.FAMILY, llama3.FAMILY, mixtral.FAMILY,
-                                deepseek.FAMILY, ds_moe.FAMILY)}
+                                deepseek.FAMILY, ds_moe.FAMILY, megablocks_moe.FAMILY)}
 
 
 def get(name: str) -> Family:

@@ -66,6 +66,10 @@ class Family:
     #: quoted ARGS strings read to their end; GPT keeps its script's flags as it always read them
     #: (its rows predate families)
     drop_unknown_flags: bool = True
+    #: third-party packages the family's model comes from that upstream imports as optional
+    #: (Stanford's MoE layers are MegaBlocks'): where one is not installed, the family's tests skip
+    #: with the suite's one line for a missing upstream dependency (``--strict`` counts it)
+    needs: tuple = ()
     #: how a script's text becomes flags where :func:`example.script_flags` alone cannot read it
     #: (flags assembled in shell variables and ``if`` blocks): (text) -> [flags]
     script_reader: Callable[[str], list] | None = None
