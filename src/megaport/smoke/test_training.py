@@ -97,7 +97,7 @@ def _skip_without_what_the_model_needs(spec, facts: dict) -> None:
     for package in spec.needs:
         if importlib.util.find_spec(package) is None:
             _, why = _verdicts.missing_import_verdict(package)
-            facts["error"] = f"{why} (the {spec.name} family's layers are {package}'s)"
+            facts["error"] = f"{why} (the {spec.name} family's layers come from it)"
             pytest.skip(facts["error"])
 
 
