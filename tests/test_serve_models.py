@@ -417,3 +417,21 @@ def test_baseline_shim_builds_torch_norm_only_where_it_refuses():
     te_norm.torch_norms(module)
     assert isinstance(module.WrappedTorchNorm(_config("RMSNorm", False), 8), torch.nn.RMSNorm)
     assert isinstance(module.WrappedTorchNorm(_config("RMSNorm", True), 8), te_norm.TENormInTorch)
+
+
+def test_the_distributed_optimizer_steps_without_te_where_fp8_utils_refused_an_empty_shard(rp):
+    """Upstream 2025-04 … 07 (062c833392 to 76203e757e): without TE, fp8_utils' fallback
+    quantize_param_shard raised on every distributed-optimizer step, FP8 parameters or none. With
+    the port it returns where there is nothing to quantize and still refuses FP8 parameters."""
+    module = types.ModuleType("megatron.core.fp8_utils")
+
+    def _quantize_param_shard_impl(*args, **kwargs):
+        raise RuntimeError("Invalid Transformer Engine version for FP8 distributed optimizer")
+
+    module._quantize_param_shard_impl = _quantize_param_shard_impl
+    _after_import(rp, module)
+    _after_import(rp, module)  # a second load wraps nothing twice
+    assert module._quantize_param_shard_impl([], [], [], None) is None
+    with pytest.raises(RuntimeError, match="Invalid Transformer Engine version"):
+        module._quantize_param_shard_impl([torch.zeros(1)], [], [], None)
+    assert module._quantize_param_shard_impl.__wrapped__ is _quantize_param_shard_impl

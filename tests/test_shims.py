@@ -56,7 +56,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 22
+    assert len(registry.REGISTRY) == 23
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -273,6 +273,41 @@ def test_t5s_sentinels_on_todays_transformers_are_answered_and_read_with_the_shi
         print(MegatronHFTokenizer("bert-large-cased", additional_special_tokens=["<a>", "<b>"]).additional_special_tokens_ids)
         """, ["transformers-sentinels"], tmp_path, pythonpath=[tree])
     assert stdout.strip() == "[2, 3]"
+
+
+# upstream's fp8_utils between 062c833392 and 76203e757e (2025-04 … 07): without TE its fallback
+# quantize_param_shard raises whatever it is given; the distributed optimizer calls it every step
+_FP8_UTILS_2025_04 = {
+    "megatron/__init__.py": "",
+    "megatron/core/__init__.py": "",
+    "megatron/core/fp8_utils.py": """
+        HAVE_TE = False
+
+        def _quantize_param_shard_impl(*args, **kwargs):
+            raise RuntimeError("Invalid Transformer Engine version for FP8 distributed optimizer")
+
+        def quantize_param_shard(model_params, main_params, start_offsets, data_parallel_group):
+            _quantize_param_shard_impl(model_params, main_params, start_offsets, data_parallel_group)
+        """,
+}
+
+
+def test_the_distributed_optimizers_fp8_shard_call_without_te_is_answered_and_passes_with_the_shim(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FP8_UTILS_2025_04)
+    found = _failure_of("""
+        from megatron.core.fp8_utils import quantize_param_shard
+        quantize_param_shard([], [], [], None)
+        """, tree)
+    assert found.exception == "RuntimeError" and registry.pick([found], []) == "fp8-shard-without-te"
+    stdout, _ = _run_baseline_process("""
+        from megatron.core.fp8_utils import quantize_param_shard
+        print(quantize_param_shard([], [], [], None))
+        try:
+            quantize_param_shard(["an fp8 param"], [], [], None)
+        except RuntimeError as e:
+            print("refused" if "Invalid Transformer Engine" in str(e) else e)
+        """, ["fp8-shard-without-te"], tmp_path, pythonpath=[tree])
+    assert stdout.split() == ["None", "refused"]
 
 
 # Megatron-DeepSpeed's T5Model from 50b32515 (MoE support) to 712057c8, in the shape its run fails

@@ -867,8 +867,28 @@ def _fp8_off_before_validation(module) -> None:
     module.validate_args = validate_args
 
 
+def _no_fp8_shard_to_quantize_without_te(module) -> None:
+    """Upstream from 062c833392 (2025-04-02) to 76203e757e (2025-07-15): without TE, fp8_utils'
+    fallback ``quantize_param_shard`` raises even when there is no FP8 parameter to quantize, and
+    the distributed optimizer calls it after every step, so no ``--use-distributed-optimizer`` run
+    trains (Mixtral's script on core 0.12). With nothing to quantize it returns, as 76203e757e."""
+    impl = getattr(module, "_quantize_param_shard_impl", None)
+    if impl is None or getattr(impl, "_rocm_port", False):
+        return
+
+    @functools.wraps(impl)
+    def _quantize_param_shard_impl(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return impl(model_params, *args, **kwargs)
+
+    _quantize_param_shard_impl._rocm_port = True
+    module._quantize_param_shard_impl = _quantize_param_shard_impl
+
+
 # What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
 _AFTER_IMPORT_WITHOUT_TE = {
+    "megatron.core.fp8_utils": _no_fp8_shard_to_quantize_without_te,
     "megatron.core.transformer.transformer_config": _rope_fusion_off_before_checks,
     "megatron.core.optimizer.clip_grads": _port_multi_tensor_helpers,
     "megatron.core.optimizer.optimizer": _port_multi_tensor_helpers,
