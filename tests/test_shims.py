@@ -56,7 +56,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 23
+    assert len(registry.REGISTRY) == 24
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -273,6 +273,65 @@ def test_t5s_sentinels_on_todays_transformers_are_answered_and_read_with_the_shi
         print(MegatronHFTokenizer("bert-large-cased", additional_special_tokens=["<a>", "<b>"]).additional_special_tokens_ids)
         """, ["transformers-sentinels"], tmp_path, pythonpath=[tree])
     assert stdout.strip() == "[2, 3]"
+
+
+# Megatron-DeepSpeed's merged optimizers (9e72d571 … 636540a9^), as its train_step calls them
+_FORK_OPTIMIZERS_2023_07 = {
+    "megatron/__init__.py": """
+        import types
+        _ARGS = types.SimpleNamespace(name="megatron's args")
+        _TIMERS = "megatron's timers"
+
+        def get_args():
+            return _ARGS
+
+        def get_timers():
+            return _TIMERS
+        """,
+    "megatron/optimizer/__init__.py": "",
+    "megatron/optimizer/optimizer.py": """
+        class MegatronOptimizer:
+            gathered = []
+
+            def gather_model_params(self, args, timers):
+                self.gathered.append(args.name)
+
+        class MixedPrecisionOptimizer(MegatronOptimizer):
+            def step(self, args, timers):
+                return True, 1.0, None
+
+        class FP32Optimizer(MegatronOptimizer):
+            def step(self, args, timers):
+                return False, 2.0, None
+        """,
+}
+
+
+def test_the_forks_train_step_without_deepspeed_is_answered_and_steps_with_the_shim(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_OPTIMIZERS_2023_07)
+    found = _failure_of("""
+        from megatron.optimizer.optimizer import MixedPrecisionOptimizer
+        MixedPrecisionOptimizer().step()
+        """, tree)
+    assert found.exception == "TypeError" and registry.pick([found], []) == "fork-train-step"
+    stdout, _ = _run_baseline_process("""
+        from megatron.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer
+        print(MixedPrecisionOptimizer().step()[:2], FP32Optimizer().step()[:2], MixedPrecisionOptimizer().step("a", "t"))
+        print(MegatronOptimizer.gathered)
+        """, ["fork-train-step"], tmp_path, pythonpath=[tree])
+    assert stdout.splitlines() == ["(True, 1.0) (False, 2.0) (True, 1.0, None)", "[\"megatron's args\"]"]
+
+
+def test_deepspeeds_fp16_optimizer_without_zero_answers_scale_loss_none_with_the_fork_shim(tmp_path):
+    """The fork's MoE example runs DeepSpeed's fp16 optimizer without ZeRO (stage 0): its
+    ``scale_loss`` is None under fork-deepspeed-train as ZeRO's is."""
+    pytest.importorskip("deepspeed")
+    stdout, _ = _run_baseline_process("""
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        print(FP16_Optimizer.scale_loss, DeepSpeedZeroOptimizer.scale_loss)
+        """, ["fork-deepspeed-train"], tmp_path)
+    assert stdout.strip().splitlines()[-1].split() == ["None", "None"]  # after DeepSpeed's own log lines
 
 
 # upstream's fp8_utils between 062c833392 and 76203e757e (2025-04 … 07): without TE its fallback

@@ -169,6 +169,10 @@ FAMILY = Family(
     # TRAIN_ITERS is shell arithmetic ($(( ... ))), so its flag is not read: the run's iterations
     added=((("--train-iters", "1"), "the script computes its iteration count in shell arithmetic (from 300B "
                                     "tokens): the run's iterations"),),
+    # a resumed run's switch: the run loads no checkpoint, and the fork's parser of 2023-07-04
+    # (9e72d571, upstream's renamed --override-opt_param-scheduler) refuses the script's old name
+    dropped={"--override-lr-scheduler": "it only matters when a checkpoint is loaded, and the run loads none "
+                                        "(the fork's 2023-07-04 parser has no such flag)"},
     script_reader=read_flags,
     deepspeed_config=config,
     # top-1 routing and capacity dropping are discrete: rounding that sends a token elsewhere grows

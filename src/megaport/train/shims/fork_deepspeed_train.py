@@ -2,7 +2,7 @@
 ``train()`` under ``--deepspeed``.
 
 Its merge of upstream (9e72d571, 2023-07-04) until 636540a9 (2023-07-12) fails under DeepSpeed's
-engine; 636540a9's lines, as after-import steps: DeepSpeed's ZeRO optimizers answer ``scale_loss``
+engine; 636540a9's lines, as after-import steps: DeepSpeed's optimizers (ZeRO's, and fp16's without ZeRO) answer ``scale_loss``
 None (so ``grad_scale_func`` stays None: the engine scales the loss), ``get_model_config``
 unwraps the engine, and ``Timers`` answers ``.timers`` (logging only).
 """
@@ -14,7 +14,7 @@ from megaport.train.shims._pattern import Match
 
 NAME = "fork-deepspeed-train"
 DESCRIPTION = ("Megatron-DeepSpeed 2023-07-04..2023-07-12 (before 636540a9): that commit's own fixes for train() "
-               "with --deepspeed, as after-import steps: DeepSpeed's ZeRO optimizers answer scale_loss None, "
+               "with --deepspeed, as after-import steps: DeepSpeed's optimizers answer scale_loss None, "
                "get_model_config unwraps the engine, Timers answers .timers (logging only)")
 ERAS = "Megatron-DeepSpeed 9e72d571 … 636540a9^ (2023-07-04 … 2023-07-12)"
 REPRODUCES = "Megatron-DeepSpeed 636540a9"
@@ -24,8 +24,10 @@ PATTERN = (Match(("AttributeError",), message=r"^'\w*Optimizer\w*' object has no
 
 
 def no_scale_loss(module) -> None:
-    if hasattr(module, "ZeROOptimizer"):
-        module.ZeROOptimizer.scale_loss = None
+    # every DeepSpeed optimizer: ZeRO's, and fp16's without ZeRO (the fork's MoE example, ZeRO stage 0)
+    base = getattr(module, "DeepSpeedOptimizer", None) or getattr(module, "ZeROOptimizer", None)
+    if base is not None:
+        base.scale_loss = None
 
 
 def engine_model_config(module) -> None:
