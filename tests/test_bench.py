@@ -146,6 +146,21 @@ def test_bench_train_refuses_sizes_that_cannot_work(tmp_path):
     assert result.exit_code == 2 and "not a multiple of --heads" in result.output
 
 
+def test_bench_train_of_a_family_whose_package_is_missing_is_a_one_line_error(tmp_path):
+    """Stanford's MoE layers are MegaBlocks': without it, bench --train says so and stops."""
+    from test_verify_cli import fake_tree
+
+    tree = fake_tree(tmp_path)
+    (tree / "pretrain_gpt.py").write_text("")
+    (tree / "megatron/model").mkdir(parents=True)
+    (tree / "megatron/model/megablocks_utils.py").write_text("")
+    (tree / "megatron/arguments.py").write_text("group.add_argument('--moe-num-experts', type=int)\n")
+    result = CliRunner().invoke(main, ["bench", "--train", str(tree), "--device", "cpu", "--model", "megablocks-moe"])
+    assert result.exit_code == 2, result.output
+    assert "needs megablocks, which is not installed here" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
 def test_bench_fusions_times_each_unfused_op_and_its_share(tmp_path):
     pytest.importorskip("torch")
     from rich.console import Console

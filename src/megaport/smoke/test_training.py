@@ -28,7 +28,6 @@ or the grad norm then moves one of them by far more than the tolerance.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -94,11 +93,10 @@ def _baseline(smoke, family: str) -> Future:
 def _skip_without_what_the_model_needs(spec, facts: dict) -> None:
     """A family whose model is a third-party package's (:attr:`Family.needs`) skips where that
     package is not installed, with the suite's one line for a missing upstream dependency."""
-    for package in spec.needs:
-        if importlib.util.find_spec(package) is None:
-            _, why = _verdicts.missing_import_verdict(package)
-            facts["error"] = f"{why} (the {spec.name} family's layers come from it)"
-            pytest.skip(facts["error"])
+    for package in spec.missing_packages():
+        _, why = _verdicts.missing_import_verdict(package)
+        facts["error"] = f"{why} (the {spec.name} family's layers come from it)"
+        pytest.skip(facts["error"])
 
 
 @pytest.fixture(scope="module")

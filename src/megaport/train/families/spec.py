@@ -92,6 +92,12 @@ class Family:
         """:attr:`environment` where the tree asks for it, else nothing: {name: (value, why)}."""
         return dict(self.environment) if self.environment and self.environment_needed(tree) else {}
 
+    def missing_packages(self) -> list:
+        """Those of :attr:`needs` this Python cannot import."""
+        import importlib.util
+
+        return [package for package in self.needs if importlib.util.find_spec(package) is None]
+
     def has_entry_point(self, tree: str) -> bool:
         return os.path.isfile(os.path.join(tree, self.entry_point))
 
