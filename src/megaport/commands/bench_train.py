@@ -54,8 +54,9 @@ def bench_train(options: TrainBenchOptions, console) -> int:
     if "," in options.model:
         raise MegaportError(f"--model {options.model}: bench --train times one family at a time", exit_code=2)
     family = registry.select(str(tree), options.model)[0] if options.model != "gpt" else registry.get("gpt")
-    if family.missing_packages():
-        raise MegaportError(f"--model {family.name} needs {', '.join(family.missing_packages())}, which is not "
+    missing = family.missing_packages()
+    if missing:
+        raise MegaportError(f"--model {family.name} needs {', '.join(missing)}, which is not "
                             "installed here (the family's layers come from it)", exit_code=2)
     info = devices.probe_subprocess(python)
     require_torch(info, python)

@@ -17,6 +17,7 @@ import re
 import shutil
 
 from megaport.train.data import write_indexed_dataset
+from megaport.train.tree_files import tree_text
 
 #: BERT's special tokens, first in the vocabulary (upstream's tokenizer looks them up by name)
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -70,11 +71,9 @@ def hub_tokenizer_name(tree: str, tokenizer: str) -> str | None:
     """The Hugging Face hub model the tree's tokenizer system loads for ``tokenizer`` (core 0.14's
     new system: BertWordPieceLowerCase is ``bert-large-uncased``, a download even with
     ``--vocab-file``), or None where the tree reads the vocabulary file alone."""
-    path = os.path.join(tree, _HF_TOKENIZER_MAP)
-    if not os.path.isfile(path):
+    text = tree_text(tree, _HF_TOKENIZER_MAP)
+    if text is None:
         return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
     entry = re.search(r'"%s":\s*\{[^}]*"tokenizer_name":\s*"([^"]+)"' % re.escape(tokenizer), text)
     return entry.group(1) if entry and entry.group(1) in _HUB_TOKENIZERS else None
 
