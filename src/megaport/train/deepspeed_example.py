@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from megaport.deepspeed_fork import is_deepspeed_tree
 from megaport.train import example
+from megaport.train.tree_files import first_file, tree_text
 
 #: The fork's plain GPT example, newest layout first.
 SCRIPTS = ("examples_deepspeed/run_deepspeed_example.sh", "examples/run_deepspeed_example.sh")
@@ -44,10 +45,8 @@ class ForkExample:
 
 
 def script_path(tree: str) -> str | None:
-    for rel in SCRIPTS:
-        if os.path.isfile(os.path.join(tree, rel)):
-            return rel
-    return None
+    """The fork's GPT example script (relative), newest layout first, or None."""
+    return first_file(tree, *SCRIPTS)
 
 
 def expand(text: str) -> str:
@@ -97,8 +96,7 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     rel = script_path(tree) if is_deepspeed_tree(tree) else None
     if rel is None:
         return None
-    with open(os.path.join(tree, rel), encoding="utf-8") as f:
-        text = expand(f.read())
+    text = expand(tree_text(tree, rel))
     # A pipe ends the command (`| tee $OUTPUT_DIR/output.log`): what follows is the log's copy.
     # The DeepSpeed flags (`$ds_args`) are read from their own lines below.
     command = "\n".join(re.sub(r"\|.*$", "", line) for line in text.splitlines() if not line.lstrip().startswith("ds_args="))

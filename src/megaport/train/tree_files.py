@@ -7,15 +7,20 @@ from __future__ import annotations
 import os
 
 
+def first_file(tree: str, *candidates: str) -> str | None:
+    """The first of ``candidates`` (paths inside ``tree``, newest layout first) that the tree has;
+    None when it has none of them."""
+    return next((rel for rel in candidates if os.path.isfile(os.path.join(tree, rel))), None)
+
+
 def tree_text(tree: str, *candidates: str) -> str | None:
-    """The text of the first of ``candidates`` (paths inside ``tree``, newest layout first) that the
-    tree has; None when it has none of them."""
-    for rel in candidates:
-        path = os.path.join(tree, rel)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                return f.read()
-    return None
+    """The text of the first of ``candidates`` that the tree has (:func:`first_file`); None when it
+    has none of them."""
+    rel = first_file(tree, *candidates)
+    if rel is None:
+        return None
+    with open(os.path.join(tree, rel), encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def tree_says(tree: str, rel: str, text: str) -> bool:

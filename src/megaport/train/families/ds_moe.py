@@ -24,6 +24,7 @@ import re
 
 from megaport.train import example
 from megaport.train.families.spec import Family, entry_point_and
+from megaport.train.tree_files import first_file, tree_text
 
 SCRIPTS = ("examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh", "examples/MoE/ds_pretrain_gpt_125M_MoE64.sh")
 #: the fork's parser flags the script needs (upstream's MoE says --expert-model-parallel-size)
@@ -38,7 +39,7 @@ _TEST = re.compile(r'^\s*(?:el)?if\s+\[\[?\s+"?([^\s"]*)"?\s+(=|==|!=|-gt|-ge|-l
 
 def script_of(tree: str) -> str | None:
     """The tree's MoE example script (relative), newest layout first, or None."""
-    return next((rel for rel in SCRIPTS if os.path.isfile(os.path.join(tree, rel))), None)
+    return first_file(tree, *SCRIPTS)
 
 
 def _present(tree: str) -> bool:
@@ -111,12 +112,12 @@ def config(tree: str, workdir: str, run, notes: list) -> list:
     --initial-loss-scale); the flag that passes it. ``run``: a :class:`megaport.train.pretrain.Run`."""
     sizes = run.sizes
     rel = script_of(tree)
-    with open(os.path.join(tree, rel), encoding="utf-8") as f:
-        text = decided(f.read())
+    text = decided(tree_text(tree, rel))
     template = re.search(r'^\s*template_json="?([^"\s]+)"?\s*$', text, re.M)
-    path = os.path.join(tree, os.path.dirname(rel), template.group(1) if template else "ds_config_gpt_TEMPLATE.json")
-    with open(path, encoding="utf-8") as f:
-        body = f.read()
+    template_rel = os.path.join(os.path.dirname(rel), template.group(1) if template else "ds_config_gpt_TEMPLATE.json")
+    body = tree_text(tree, template_rel)
+    if body is None:
+        raise FileNotFoundError(f"{template_rel}: the DeepSpeed config template {rel} names is not in the tree")
     for placeholder, value in _SED.findall(text):
         # a value the script computes in shell arithmetic (the curriculum's duration) stays a marker
         body = body.replace(placeholder, f'"{_UNRESOLVED}{placeholder}"' if "$" in value else value)
@@ -146,7 +147,7 @@ def config(tree: str, workdir: str, run, notes: list) -> list:
     config_file = os.path.join(workdir, _CONFIG)
     with open(config_file, "w", encoding="utf-8") as f:
         json.dump(run_config, f, indent=1)
-    notes.append(f"DeepSpeed config: {os.path.relpath(path, tree)} with the script's sed substitutions and the run's "
+    notes.append(f"DeepSpeed config: {os.path.normpath(template_rel)} with the script's sed substitutions and the run's "
                  f"batch sizes{''.join('; ' + n for n in notes_config)}: {json.dumps(run_config, sort_keys=True)}")
     return ["--deepspeed_config", config_file]
 

@@ -10,7 +10,6 @@ win (argparse keeps the last value), and flags whose values are shell variables 
 
 import os
 
-from megaport.train import example
 from megaport.train.families import llama
 from megaport.train.families.spec import Family
 

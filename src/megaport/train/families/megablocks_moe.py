@@ -10,7 +10,6 @@ reads the CUDA device's capability; ROCm/megablocks on a ROCm box). Where it is 
 family's tests say so in one line (a skip, which ``--strict`` counts).
 """
 
-from megaport.train import example
 from megaport.train.families.spec import Family, entry_point_and
 from megaport.train.tree_files import tree_text
 
