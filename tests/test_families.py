@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,22 @@ def test_megablocks_moe_runs_megablocks_script_flags_shrunk_to_four_experts(tmp_
     assert "--fp16" in flags and "--moe-expert-model-parallelism" in flags
     assert "--no-async-tensor-model-parallel-allreduce" not in flags  # not in this parser
     assert any("--no-async-tensor-model-parallel-allreduce left out" in n for n in notes)
+
+
+def test_a_familys_needed_package_is_looked_up_in_the_interpreter_that_will_run_it(tmp_path):
+    """``bench --train --python OTHER`` runs the family in OTHER: a package only OTHER has is not
+    missing, and one only this interpreter has is."""
+    other_site = tmp_path / "site"
+    (other_site / "only_there").mkdir(parents=True)
+    (other_site / "only_there" / "__init__.py").write_text("")
+    other = tmp_path / "python"
+    other.write_text(f"#!/bin/sh\nPYTHONPATH={other_site} exec {sys.executable} \"$@\"\n")
+    other.chmod(0o755)
+    family = dataclasses.replace(registry.get("megablocks-moe"), needs=("only_there", "pytest"))
+    assert family.missing_packages() == ["only_there"]
+    assert family.missing_packages(str(other)) == []
+    assert dataclasses.replace(family, needs=("only_there", "not_anywhere_xyz")).missing_packages(str(other)) == [
+        "not_anywhere_xyz"]
 
 
 def test_llama3_is_present_where_the_tree_has_its_script(tmp_path):

@@ -54,7 +54,7 @@ def bench_train(options: TrainBenchOptions, console) -> int:
     if "," in options.model:
         raise MegaportError(f"--model {options.model}: bench --train times one family at a time", exit_code=2)
     family = registry.select(str(tree), options.model)[0] if options.model != "gpt" else registry.get("gpt")
-    missing = family.missing_packages()
+    missing = family.missing_packages(python)
     if missing:
         raise MegaportError(f"--model {family.name} needs {', '.join(missing)}, which is not "
                             "installed here (the family's layers come from it)", exit_code=2)

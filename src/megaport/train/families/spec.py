@@ -92,11 +92,20 @@ class Family:
         """:attr:`environment` where the tree asks for it, else nothing: {name: (value, why)}."""
         return dict(self.environment) if self.environment and self.environment_needed(tree) else {}
 
-    def missing_packages(self) -> list:
-        """Those of :attr:`needs` this Python cannot import."""
+    def missing_packages(self, python: str | None = None) -> list:
+        """Those of :attr:`needs` that ``python`` (default: this one) cannot import: a run with
+        another interpreter (``bench --train --python``) is asked in that interpreter."""
         import importlib.util
+        import subprocess
+        import sys
 
-        return [package for package in self.needs if importlib.util.find_spec(package) is None]
+        if not self.needs:
+            return []
+        if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+            return [package for package in self.needs if importlib.util.find_spec(package) is None]
+        probe = "import importlib.util, sys; print(*(p for p in sys.argv[1:] if importlib.util.find_spec(p) is None))"
+        answer = subprocess.run([python, "-c", probe, *self.needs], capture_output=True, text=True, check=True)
+        return answer.stdout.split()
 
     def has_entry_point(self, tree: str) -> bool:
         return os.path.isfile(os.path.join(tree, self.entry_point))
