@@ -264,7 +264,6 @@ def test_dropout_runs_under_the_cores_rng_tracker(rp, routed, monkeypatch):
     module = sys.modules[routed.__module__]
     monkeypatch.setattr(module, "tensor_parallel", type("TP", (), {"get_cuda_rng_tracker": staticmethod(Tracker)}),
                         raising=False)
-    monkeypatch.setattr(rp, "sdpa_takes_dropout", lambda device, dtype: True)  # as on a GPU
     core = routed(_Softmax(), dropout=0.5)
     q, k, v = inputs("mha", torch.float32)
     core.train()
@@ -294,6 +293,21 @@ def test_flash_attn_varlen_stand_in_matches_per_sequence_attention(rp, lengths, 
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def test_flash_attn_varlen_stand_in_takes_dropout_blockwise_on_the_cpu(rp, monkeypatch):
+    """--use-flash-attn's dropout on the CPU: the blockwise kernel, not SDPA's math kernel."""
+    calls = []
+    blockwise = rp.blockwise_attention
+    monkeypatch.setattr(rp, "blockwise_attention", lambda *a, **k: calls.append(k["dropout_p"]) or blockwise(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(48, 4, 16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 24, 48], dtype=torch.int32)
+    torch.manual_seed(3)
+    dropped = rp.flash_attn_varlen_sdpa(q, k, v, cu, cu, 24, 24, 0.5, softmax_scale=0.25, causal=True)
+    assert calls == [0.5]
+    kept = rp.flash_attn_varlen_sdpa(q, k, v, cu, cu, 24, 24, 0.0, softmax_scale=0.25, causal=True)
+    assert calls == [0.5] and not torch.equal(dropped, kept)
+
+
 def test_causal_flash_attn_with_fewer_queries_is_bottom_right_aligned(rp):
     g = torch.Generator().manual_seed(6)
     q, k, v = torch.randn(3, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
@@ -306,30 +320,87 @@ def test_causal_flash_attn_with_fewer_queries_is_bottom_right_aligned(rp):
         torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", weights, v[:seen]), atol=1e-5, rtol=1e-5)
 
 
-def test_attention_dropout_on_the_cpu_keeps_the_softmax_path(rp, routed, capsys):
-    core = routed(_Softmax(), dropout=0.1)
-    q, k, v = inputs("mha", torch.bfloat16)
-    core.train()
-    core(q, k, v, None)
-    assert routed.calls == 1, "SDPA's math kernel ran attention dropout on the CPU"
-    assert "attention dropout on the CPU" in capsys.readouterr().out
-    core.eval()
-    core(q, k, v, None)
-    assert routed.calls == 1, "evaluation (no dropout) should run SDPA"
-
-
-def test_fp16_attention_dropout_on_the_cpu_runs_sdpa(rp, routed, capsys):
-    """fp16 has no fast GEMM on most CPUs: there SDPA's math kernel (fp32 inside) takes the
-    dropout, and it is applied (training differs from evaluation, evaluation is deterministic)."""
-    core = routed(_Softmax(fp16=True, bf16=False), dropout=0.5)
-    q, k, v = inputs("mha", torch.float16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+def test_attention_dropout_on_the_cpu_runs_blockwise_and_says_so(rp, routed, capsys, dtype):
+    """SDPA's CPU flash kernel takes no dropout: the port's blockwise attention does, in every dtype."""
+    core = routed(_Softmax(fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16), dropout=0.5)
+    q, k, v = inputs("gqa", dtype)
     core.train()
     trained = core(q, k, v, None)
-    assert routed.calls == 0, "fp16 attention dropout on the CPU kept the fp16-GEMM softmax path"
-    assert "attention dropout on the CPU" not in capsys.readouterr().out
+    assert routed.calls == 0, "attention dropout on the CPU fell back to upstream's forward"
+    said = capsys.readouterr().out
+    assert "blockwise attention on cpu" in said and "attention dropout 0.5" in said and "causal future skipped" in said
     core.eval()
-    assert torch.equal(core(q, k, v, None), core(q, k, v, None))
-    assert not torch.equal(trained, core(q, k, v, None)), "dropout 0.5 in training changed nothing"
+    evaluated = core(q, k, v, None)
+    assert torch.equal(evaluated, core(q, k, v, None)) and routed.calls == 0
+    assert "scaled_dot_product_attention" in capsys.readouterr().out, "evaluation (no dropout) should run SDPA"
+    assert not torch.equal(trained, evaluated), "dropout 0.5 in training changed nothing"
+
+
+# --- blockwise attention: attention dropout where SDPA's flash kernel takes none ------------------
+
+@pytest.fixture
+def small_blocks(rp, monkeypatch):
+    """Blocks of 16 query rows, so every test crosses block and causal-diagonal boundaries."""
+    monkeypatch.setattr(rp, "_BLOCK_ELEMENTS", 16)
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", ["causal", "padding", "padding-uniform-rows", "none"])
+def test_blockwise_matches_fp64_reference_forward_and_backward(rp, small_blocks, monkeypatch, kind, layout, dtype):
+    """The port's core attention with its blockwise kernel in SDPA's place (dropout 0 here, so the
+    reference applies): every mask kind, era's masked rows, head layout and dtype, 40 rows in three
+    blocks."""
+    monkeypatch.setattr(rp, "blockwise_wanted", lambda device, dropout_p: True)
+    q, k, v = inputs(layout, dtype, sq=40, sk=40)
+    mask = padding_mask(2, 40, 40) if kind.startswith("padding") else None
+    zero = kind != "padding-uniform-rows"
+    scale = 1 / math.sqrt(q.shape[-1]) * 0.9
+    out = rp.sdpa_core_attention(q, k, v, scale=scale, causal=kind == "causal", mask=mask,
+                                 fully_masked_rows_are_zero=zero)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(qr, kr, vr, scale, kind == "causal", mask, zero)
+    assert out.dtype == dtype and out.shape == ref.shape
+    close(out, ref, dtype, "forward")
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
+    out.backward(grad.to(dtype))
+    ref.backward(grad.double())
+    for name, got, want in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
+        close(got, want, dtype, name)
+
+
+@pytest.mark.parametrize("causal, groups", [(True, 2), (False, 2), (True, 1)])
+def test_blockwise_dropout_backward_is_the_forwards_derivative(rp, small_blocks, causal, groups):
+    """Backward draws each block's dropout mask again from the seed forward drew: gradcheck in fp64
+    over three blocks, with a padding mask where not causal."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, groups, 40, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = None if causal else torch.rand(1, 1, 40, 40, generator=g) > 0.3
+
+    def attention(q, k, v):
+        torch.manual_seed(11)  # the same masks at each of gradcheck's evaluations
+        return rp.blockwise_attention(q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=causal, scale=0.5,
+                                      enable_gqa=groups != 2)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v))
+
+
+def test_blockwise_dropout_draws_from_the_current_generator_and_keeps_the_expectation(rp, small_blocks):
+    """Megatron's RNG tracker forks the generator around attention: the masks follow its state;
+    dropout keeps 1 - p of the weights, scaled by 1 / (1 - p)."""
+    ones, eye = torch.ones(1, 1, 64, 8, dtype=torch.float64), torch.eye(64, dtype=torch.float64)[None, None]
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return rp.blockwise_attention(ones, ones, eye, dropout_p=0.25)
+
+    first, again, other = run(1), run(1), run(2)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    kept = (first > 0).double().mean().item()
+    assert abs(kept - 0.75) < 0.03, f"kept {kept:.3f} of the weights at dropout 0.25"
+    assert abs(first.sum(-1).mean().item() - 1.0) < 0.03, "dropout changed the expected row sum"
 
 
 def test_te_attention_asked_for_runs_sdpa_even_with_the_softmax_fusion_off(rp, routed, monkeypatch, capsys):

@@ -1455,6 +1455,121 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+# One query block's fp32 scores [b, n, rows, sk] of :func:`blockwise_attention` hold about this
+# many elements (8 MiB). E2's GPT attention ([2, 4, 2048, 64], causal, dropout 0.1, fwd+bwd, this
+# project's 2-core CPU): blocks of 64 rows 433-459 ms, 128: 433-495, 256: 404-477, 512: 467-578;
+# upstream's unfused path 764-829 ms, SDPA's math kernel 740-823 ms.
+_BLOCK_ELEMENTS = 1 << 21
+
+
+def _block_rows(heads_total: int, sq: int, sk: int) -> int:
+    """Query rows per block: :data:`_BLOCK_ELEMENTS` over the scores of one row, a multiple of 16."""
+    rows = _BLOCK_ELEMENTS // max(1, heads_total * sk) // 16 * 16
+    return max(16, min(sq, rows))
+
+
+def _block_scores(q, k, allowed, causal: bool, scale: float, i0: int, i1: int):
+    """The scores (fp32 at least) of query rows ``i0:i1`` against the keys they may see (all of them, or up to
+    the causal diagonal), masked positions at -inf: (scores, number of keys)."""
+    kv = min(i1, k.shape[-2]) if causal else k.shape[-2]
+    scores = torch.matmul(q[..., i0:i1, :], k[..., :kv, :].transpose(-1, -2))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale)
+    if causal and kv > i0:  # the diagonal block: key j > query i is the future
+        rows = torch.arange(i0, i1, device=q.device).unsqueeze(-1)
+        future = torch.arange(i0, kv, device=q.device) > rows
+        scores[..., i0:kv].masked_fill_(future, -math.inf)
+    if allowed is not None:
+        rows = allowed if allowed.shape[-2] == 1 else allowed[..., i0:i1, :]
+        scores.masked_fill_(~rows[..., :kv], -math.inf)
+    return scores, kv
+
+
+def _kept(shape, dropout_p: float, seed: int, i0: int, device):
+    """Block ``i0``'s dropout mask (True = kept), drawn again in backward from the same seed."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed + i0)
+    return torch.rand(shape, generator=generator, device=device) >= dropout_p
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """softmax(scale · q kᵀ, masked) with dropout, times v, one block of query rows at a time.
+
+    Forward keeps each row's log-sum-exp; backward recomputes a block's probabilities from it and
+    its dropout mask from the block's seed, so no [sq, sk] tensor outlives a block, and causal
+    attention never computes the future (about half the GEMMs and softmax work)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, dropout_p, causal, scale, seed):
+        b, n, sq, _ = q.shape
+        rows = _block_rows(b * n, sq, k.shape[-2])
+        out = q.new_empty(b, n, sq, v.shape[-1])
+        lse = torch.empty(b, n, sq, 1, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        for i0 in range(0, sq, rows):
+            i1 = min(i0 + rows, sq)
+            scores, kv = _block_scores(q, k, allowed, causal, scale, i0, i1)
+            lse[..., i0:i1, :] = torch.logsumexp(scores, dim=-1, keepdim=True)
+            probs = scores.sub_(lse[..., i0:i1, :]).exp_()
+            if dropout_p > 0:
+                probs.masked_fill_(~_kept(probs.shape, dropout_p, seed, i0, q.device), 0.0).mul_(1 / (1 - dropout_p))
+            out[..., i0:i1, :] = torch.matmul(probs.to(v.dtype), v[..., :kv, :])
+        ctx.save_for_backward(q, k, v, allowed, lse)
+        ctx.settings = (dropout_p, causal, scale, seed, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, allowed, lse = ctx.saved_tensors
+        dropout_p, causal, scale, seed, rows = ctx.settings
+        grad = grad.contiguous()
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
+        for i0 in range(0, q.shape[-2], rows):
+            i1 = min(i0 + rows, q.shape[-2])
+            scores, kv = _block_scores(q, k, allowed, causal, scale, i0, i1)
+            probs = scores.sub_(lse[..., i0:i1, :]).exp_()
+            g = grad[..., i0:i1, :]
+            d_dropped = torch.matmul(g, v[..., :kv, :].transpose(-1, -2)).to(probs.dtype)
+            dropped = probs
+            if dropout_p > 0:
+                dropped_out = ~_kept(probs.shape, dropout_p, seed, i0, q.device)
+                dropped = probs.masked_fill(dropped_out, 0.0).mul_(1 / (1 - dropout_p))
+                d_dropped.masked_fill_(dropped_out, 0.0).mul_(1 / (1 - dropout_p))
+            dv[..., :kv, :] += torch.matmul(dropped.to(v.dtype).transpose(-1, -2), g)
+            # the kernels' backward: dx = scale * (y*g - y*sum(y*g))
+            row_sums = (d_dropped * probs).sum(dim=-1, keepdim=True)
+            d_scores = d_dropped.sub_(row_sums).mul_(probs).mul_(scale).to(q.dtype)
+            dq[..., i0:i1, :] = torch.matmul(d_scores, k[..., :kv, :])
+            dk[..., :kv, :] += torch.matmul(d_scores.transpose(-1, -2), q[..., i0:i1, :])
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def blockwise_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                        scale: float | None = None, enable_gqa: bool = False):
+    """``torch.nn.functional.scaled_dot_product_attention`` (same arguments, boolean ``attn_mask``,
+    True = attend) computed a block of query rows at a time, for attention dropout where SDPA's
+    fused kernels take none (the CPU's flash kernel): SDPA's math kernel, which does, holds the
+    whole fp32 score matrix for backward. Dropout draws one seed from the current generator (inside
+    Megatron's RNG tracker, its model-parallel stream). On the CPU the GEMMs run in fp32 (half
+    precision GEMMs are fast only on CPUs with AVX512-FP16/AMX; here fp32 took 0.92-1.0x the time
+    of fp16 and bf16)."""
+    heads, groups = query.shape[-3], key.shape[-3]
+    if enable_gqa and groups != heads:
+        key, value = (t.repeat_interleave(heads // groups, dim=-3) for t in (key, value))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    seed = int(torch.randint(1 << 62, (1,), device=query.device).item()) if dropout_p > 0 else 0
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    dtype = torch.float32 if half and query.device.type == "cpu" else query.dtype
+    q, k, v = (t.to(dtype).contiguous() for t in (query, key, value))  # each block's GEMMs read rows in place
+    out = _BlockwiseAttention.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, seed)
+    return out.to(query.dtype)
+
+
+def blockwise_wanted(device, dropout_p: float) -> bool:
+    """Whether attention dropout on ``device`` runs :func:`blockwise_attention`: where SDPA's flash
+    kernel takes no dropout (the CPU); GPUs' flash kernels take it (AOTriton on ROCm)."""
+    return dropout_p > 0 and torch.device(device).type == "cpu"
+
+
 def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=None, dropout_p: float = 0.0,
                         fully_masked_rows_are_zero: bool = True):
     """Megatron's core attention in one SDPA call.
@@ -1481,8 +1596,9 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
         dead = mask.all(dim=-1, keepdim=True)
         allowed = ~(mask & ~dead)  # a dead row attends everywhere (no NaN), then is overwritten
     kwargs = {"enable_gqa": True} if groups != heads else {}
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs)
+    attend = blockwise_attention if blockwise_wanted(q.device, dropout_p) else \
+        torch.nn.functional.scaled_dot_product_attention
+    out = attend(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs)
     if dead is not None:
         if fully_masked_rows_are_zero:
             out = out.masked_fill(dead, 0.0)
@@ -1494,17 +1610,6 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
     if out.shape[-1] != dv:
         out = out[..., :dv]
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
-
-
-def sdpa_takes_dropout(device, dtype) -> bool:
-    """Whether SDPA should take attention dropout on ``device`` for ``dtype``. GPUs' flash kernels
-    take it (AOTriton on ROCm). The CPU's flash kernel does not, and SDPA's math kernel, which does,
-    computes in fp32: for bf16 and fp32 it ran slower than the port's softmax path (2 cores, bf16
-    [1, 8, 1024, 64] causal fwd+bwd at dropout 0.1: SDPA math 971 ms, upstream's unfused path
-    928 ms, the softmax path ~0.8x unfused), but fp16 has no fast GEMM on CPUs without AVX512-FP16,
-    where the softmax path's two fp16 batched GEMMs are the slow part (bmm [8, 2048, 64] x
-    [8, 64, 2048]: fp16 16.1 s, fp32 0.59 s; SDPA math fp16 [2, 4, 2048, 64] dropout 0.1: 1.8 s)."""
-    return torch.device(device).type != "cpu" or dtype == torch.float16
 
 
 def _kernel_exact_reason(core, config, extras: dict) -> str | None:
@@ -1564,9 +1669,6 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
     if not causal and attention_mask is not None and attention_mask.dtype != torch.bool:
         return None, "a float attention mask"
     dropout = core.attention_dropout.p if core.training else 0.0
-    if dropout > 0 and not sdpa_takes_dropout(query.device, query.dtype):
-        return None, (f"attention dropout on the CPU in {str(query.dtype).replace('torch.', '')} (SDPA's CPU "
-                      "flash kernel has none, and its math kernel is slower than the softmax path)")
     scale = _core_attention_scale(core)
     kwargs = dict(scale=scale, causal=causal, mask=None if causal else attention_mask, dropout_p=dropout,
                   fully_masked_rows_are_zero=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)
@@ -1576,11 +1678,16 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
         q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
         # asked with the call's own head dims (a V narrower or wider than Q/K is padded to theirs) and mask
         v = value.permute(1, 2, 0, 3) if value.shape[-1] == key.shape[-1] else k
-        chosen = sdpa_backend(q, k, v, None if causal else attention_mask, dropout, causal, scale,
-                              key.shape[2] != query.shape[2])
-        say_once(f"core attention: torch scaled_dot_product_attention ({chosen} backend on {query.device.type}, "
-                 f"{str(query.dtype).replace('torch.', '')}, {'causal' if causal else 'padding'} mask) in place of "
-                 "the fused softmax and two batched GEMMs")
+        what = f"{str(query.dtype).replace('torch.', '')}, {'causal' if causal else 'padding'} mask"
+        if blockwise_wanted(query.device, dropout):
+            say_once(f"core attention: the port's blockwise attention on {query.device.type} ({what}, attention "
+                     f"dropout {dropout:g}, fp32 query blocks{', the causal future skipped' if causal else ''}) in "
+                     "place of the fused softmax and two batched GEMMs: SDPA's flash kernel there takes no dropout")
+        else:
+            chosen = sdpa_backend(q, k, v, None if causal else attention_mask, dropout, causal, scale,
+                                  key.shape[2] != query.shape[2])
+            say_once(f"core attention: torch scaled_dot_product_attention ({chosen} backend on "
+                     f"{query.device.type}, {what}) in place of the fused softmax and two batched GEMMs")
     tracker = _rng_tracker(core) if dropout > 0 and not getattr(config, "sequence_parallel", False) else None
     if tracker is None:
         return sdpa_core_attention(query, key, value, **kwargs), None
@@ -1628,7 +1735,7 @@ def flash_attn_varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's ``flash_attn_varlen_func`` (``flash_attn_unpadded_func`` before 2.0) through SDPA:
     ``q`` [total_q, h, d], ``k``/``v`` [total_k, h_kv, d] packed by ``cu_seqlens``; causal is aligned
     to the bottom-right corner, as flash-attn 2.1 on. Segments of one length (how upstream's
-    FlashSelfAttention packs a batch) run as one batched call."""
+    FlashSelfAttention packs a batch) run as one batched call; dropout on the CPU runs blockwise."""
     lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
@@ -1638,9 +1745,10 @@ def flash_attn_varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         mask = None
         if causal and sq != sk:
             mask = torch.ones(sq, sk, dtype=torch.bool, device=qs.device).tril(sk - sq)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p,
-            is_causal=causal and sq == sk, scale=softmax_scale, **gqa)
+        attention = blockwise_attention if blockwise_wanted(qs.device, dropout_p) else \
+            torch.nn.functional.scaled_dot_product_attention
+        out = attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask,
+                        dropout_p=dropout_p, is_causal=causal and sq == sk, scale=softmax_scale, **gqa)
         return out.transpose(1, 2)
 
     if len(set(lengths_q)) == 1 and len(set(lengths_k)) == 1:

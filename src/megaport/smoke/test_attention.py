@@ -3,9 +3,11 @@
 The tree's rocm_port.sdpa_core_attention against the fp64 reference of Megatron's unfused core
 attention (reference.py: two GEMMs around the kernels' softmax), forward and backward, for every
 mask kind, dtype and head layout it serves (causal, padding with fully masked rows as the era has
-them, GQA, MLA's value head dim), on the verify device; and the tree's own core attention class
-(DotProductAttention, the legacy CoreAttention) routed through it by the port's after-import
-step, with the scale it derives from the class's own settings.
+them, GQA, MLA's value head dim), on the verify device; and the port's blockwise kernel (attention
+dropout where SDPA's flash kernel takes none) the same way, and its dropout's backward by
+gradcheck; and the tree's own core attention class (DotProductAttention, the legacy CoreAttention)
+routed through it by the port's after-import step, with the scale it derives from the class's own
+settings.
 """
 
 from __future__ import annotations
@@ -74,6 +76,53 @@ def test_sdpa_core_attention_matches_fp64_reference(smoke, rocm_port, device, ki
     check(out, want, dtype_id, "forward")
     for name, got, reference in zip(("dq", "dk", "dv"), grads, want_grads):
         check(got, reference, dtype_id, name)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype_id", list(DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_blockwise_core_attention_matches_fp64_reference(smoke, rocm_port, device, monkeypatch, kind, dtype_id,
+                                                         layout):
+    """The port's blockwise kernel (attention dropout where SDPA's flash kernel takes none: the CPU)
+    in SDPA's place, dropout 0 so the reference applies, in blocks of 16 query rows."""
+    sdpa = _verdicts.port_name(rocm_port, "sdpa_core_attention")
+    _verdicts.port_name(rocm_port, "blockwise_attention")
+    monkeypatch.setattr(rocm_port, "blockwise_wanted", lambda device, dropout_p: True)
+    monkeypatch.setattr(rocm_port, "_BLOCK_ELEMENTS", 16)
+    q, k, v, mask, grad = inputs(layout, DTYPES[dtype_id], device)
+    scale = 1 / math.sqrt(q.shape[-1])
+    given = mask if kind == "padding" else None
+    out, grads = forward_backward(
+        lambda *t: sdpa(*t, scale=scale, causal=kind == "causal", mask=given,
+                        fully_masked_rows_are_zero=smoke.fully_masked_rows_are_zero),
+        q, k, v, grad)
+    want, want_grads = expected(q, k, v, grad, scale, kind == "causal", given, smoke.fully_masked_rows_are_zero)
+    check(out, want, dtype_id, "forward")
+    for name, got, reference in zip(("dq", "dk", "dv"), grads, want_grads):
+        check(got, reference, dtype_id, name)
+
+
+@pytest.mark.parametrize("kind", ("causal", "padding"))
+def test_blockwise_dropout_backward_is_the_forwards_derivative(rocm_port, device, monkeypatch, kind):
+    """With dropout, backward draws each block's mask again from forward's seed: gradcheck in fp64
+    on the verify device, GQA, three blocks."""
+    blockwise = _verdicts.port_name(rocm_port, "blockwise_attention")
+    monkeypatch.setattr(rocm_port, "_BLOCK_ELEMENTS", 16)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
+    k, v = (torch.randn(1, 1, 40, 8, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
+            for _ in range(2))
+    mask = (torch.rand(1, 1, 40, 40, generator=gen) > 0.3).to(device) if kind == "padding" else None
+
+    def attention(q, k, v):
+        torch.manual_seed(11)  # the same masks at each evaluation (the device's generator too)
+        return blockwise(q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=kind == "causal", scale=0.5,
+                         enable_gqa=True)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v))
+    without = blockwise(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=kind == "causal", scale=0.5,
+                        enable_gqa=True)
+    assert not torch.equal(attention(q, k, v), without), "dropout 0.3 changed nothing"
 
 
 class _Enum:
