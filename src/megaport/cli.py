@@ -357,6 +357,9 @@ def doctor(json_file):
               help="--attention: b,heads,seq per shape, ';' between shapes.")
 @click.option("--head-dim", type=click.IntRange(1), default=64, show_default=True, help="--attention: head dim.")
 @click.option("--groups", type=click.IntRange(1), help="--attention: query groups (GQA) [one per head].")
+@click.option("--dropout", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+              help="--attention: attention dropout in every variant (on the CPU the port's SDPA call then runs its "
+                   "blockwise kernel: SDPA's CPU flash kernel takes no dropout).")
 @click.option("--fusions", is_flag=True,
               help="Time the TE fusions a ROCm box runs unfused (RoPE, SwiGLU, RMSNorm, cross-entropy), eager and "
                    "compiled, with their estimated share of an iteration (--seq/--batch/--hidden/--heads/--groups/"
@@ -382,7 +385,7 @@ def doctor(json_file):
                    "entry point with its example's flags.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, attention, shapes, head_dim, groups,
-          fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry, model):
+          dropout, fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry, model):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -395,7 +398,8 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, a
     --attention: core attention, fwd+bwd, on [seq, b, heads, head-dim] query, key
     and value: the port's scaled_dot_product_attention call, the port's softmax path
     (two GEMMs around the kernel replacement) and upstream's unfused path, with
-    ms, peak memory and the ratios to unfused, per --shapes and --dtype.
+    ms, peak memory and the ratios to unfused, per --shapes and --dtype (and
+    --dropout: the CPU then runs the port's blockwise kernel).
     \b
     --train: the ported tree's own pretrain_gpt.py with the era's example flags
     (shrunk), and the tree's unported upstream commit with the fusions off (exported
@@ -419,7 +423,7 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, a
 
         return bench_attention(AttentionBenchOptions(tree=tree, device=device, shapes=shapes, head_dim=head_dim,
                                                      groups=groups, dtypes=dtypes, mask=mask_kind,
-                                                     repeats=repeats, json_file=json_file),
+                                                     dropout=dropout, repeats=repeats, json_file=json_file),
                                _console(json_file))
     if train:
         from megaport.commands.bench_train import TrainBenchOptions, bench_train

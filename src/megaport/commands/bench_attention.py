@@ -4,7 +4,8 @@ Three ways a ported tree can compute Megatron's core attention (query, key and v
 out, forward and backward), timed on the same inputs:
 
 * ``sdpa``: the port's one ``scaled_dot_product_attention`` call (rocm_port.sdpa_core_attention),
-  what a ported tree runs where upstream asks for the fused softmax;
+  what a ported tree runs where upstream asks for the fused softmax (with ``--dropout`` on the CPU,
+  its blockwise kernel: SDPA's CPU flash kernel takes no dropout);
 * ``port softmax``: two batched GEMMs around the tree's ``FusedScaleMaskSoftmax`` fused path (the
   port's kernel-exact softmax; ``MEGATRON_ROCM_PORT_SDPA=0``);
 * ``upstream unfused``: the same GEMMs around ``forward_torch_softmax``, what upstream runs with
@@ -46,6 +47,7 @@ class AttentionBenchOptions:
     groups: int | None = None  # query groups (GQA); None: one per head
     dtypes: str = "bf16,fp32"
     mask: str = "causal"
+    dropout: float = 0.0  # attention dropout, every variant
     repeats: int = 5
     warmup: int = 1
     json_file: str | None = None
@@ -113,11 +115,13 @@ def _variants(args, torch):
                                kk.reshape(seq, b * heads, -1).transpose(0, 1).transpose(1, 2),
                                beta=0.0, alpha=scale / softmax.scale)
         probs = probabilities(scores.view(b, heads, seq, seq))
+        if args.dropout:  # upstream's self.attention_dropout(attention_probs)
+            probs = torch.nn.functional.dropout(probs, args.dropout)
         context = torch.bmm(probs.view(b * heads, seq, seq), vv.reshape(seq, b * heads, -1).transpose(0, 1))
         context.view(b, heads, seq, -1).permute(2, 0, 1, 3).reshape(seq, b, -1).backward(grad)
 
     def sdpa():
-        port.sdpa_core_attention(q, k, v, scale=scale, causal=causal, mask=padding,
+        port.sdpa_core_attention(q, k, v, scale=scale, causal=causal, mask=padding, dropout_p=args.dropout,
                                  fully_masked_rows_are_zero=port.FULLY_MASKED_ROWS_ARE_ZERO).backward(grad)
 
     def port_softmax():
@@ -130,8 +134,9 @@ def _variants(args, torch):
         for t in (q, k, v):
             t.grad = None
 
-    backend = port.sdpa_backend(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), None, 0.0, causal, scale,
-                                groups != heads)
+    blockwise = getattr(port, "blockwise_wanted", lambda *_: False)(device, args.dropout)
+    backend = "blockwise" if blockwise else port.sdpa_backend(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), None,
+                                                              args.dropout, causal, scale, groups != heads)
     return {"sdpa": sdpa, "port_softmax": port_softmax, "upstream_unfused": upstream_unfused}, clear, device, backend
 
 
@@ -170,6 +175,7 @@ def worker(argv=None) -> int:
         parser.add_argument(name, required=True)
     for name in ("--b", "--heads", "--seq", "--head-dim", "--groups", "--repeats", "--warmup"):
         parser.add_argument(name, type=int, default=0)
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--variant", choices=VARIANTS)
     args = parser.parse_args(argv)
     sys.path.insert(0, args.tree)
@@ -212,20 +218,25 @@ def bench_attention(options: AttentionBenchOptions, console) -> int:
     info = devices.probe_subprocess(python)
     devices.require_torch(info, python)
     kind = devices.resolve_device(options.device, info)
-    env = {**subprocess_env(tree), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = subprocess_env(tree)
+    # Memory workers only: large blocks straight from mmap, returned when freed, so the resident set
+    # follows what a variant holds. Timed with it, a variant that allocates per block pays a page
+    # fault per page (the blockwise kernel: 686 ms against 377 ms without, [2, 4, 2048, 64] fp16).
+    memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": "65536"}
     console.print(f"attention bench {tree} ({state.series}, {state.upstream_ref}) on {kind}: head dim "
-                  f"{options.head_dim}, {options.mask} mask, {options.repeats} interleaved fwd+bwd runs per variant")
+                  f"{options.head_dim}, {options.mask} mask, attention dropout {options.dropout:g}, {options.repeats} "
+                  "interleaved fwd+bwd runs per variant")
     rows = []
     for (b, heads, seq) in shapes:
         for dtype in dtypes:
             common = ["--device", kind, "--dtype", dtype, "--mask", options.mask, "--b", str(b), "--heads",
                       str(heads), "--seq", str(seq), "--head-dim", str(options.head_dim), "--groups",
-                      str(options.groups or heads)]
+                      str(options.groups or heads), "--dropout", str(options.dropout)]
             timing = _run_worker(python, tree, env, [*common, "--repeats", str(options.repeats), "--warmup",
                                                      str(options.warmup)], f"{b},{heads},{seq} {dtype}")
             peak = timing.get("peak_mib") or {}
             if kind == "cpu":  # a fresh process per variant: the rise of its own peak resident set
-                peak = {v: _run_worker(python, tree, env, [*common, "--variant", v], f"memory {v}")["peak_mib"]
+                peak = {v: _run_worker(python, tree, memory_env, [*common, "--variant", v], f"memory {v}")["peak_mib"]
                         for v in VARIANTS}
             row = {"b": b, "heads": heads, "seq": seq, "dtype": dtype, "sdpa_backend": timing["sdpa_backend"],
                    "threads": timing["threads"], "samples_ms": timing["samples_ms"]}
@@ -241,9 +252,10 @@ def bench_attention(options: AttentionBenchOptions, console) -> int:
             console.print(_line(row))
     document = {"tree": str(tree), "series": state.series, "upstream": {"ref": state.upstream_ref,
                 "sha": state.upstream_sha}, "device": {**info, "device": kind}, "head_dim": options.head_dim,
-                "groups": options.groups, "mask": options.mask, "repeats": options.repeats,
+                "groups": options.groups, "mask": options.mask, "dropout": options.dropout, "repeats": options.repeats,
                 "load_average": {"load": bench_load(), "cpus": os.cpu_count()}, "variants": {
-                    "sdpa": "rocm_port.sdpa_core_attention: one scaled_dot_product_attention call",
+                    "sdpa": "rocm_port.sdpa_core_attention: one scaled_dot_product_attention call (the port's "
+                            "blockwise kernel for attention dropout where SDPA's flash kernel takes none)",
                     "port_softmax": "baddbmm + FusedScaleMaskSoftmax.forward_fused_softmax (the port's kernel-exact "
                                     "softmax) + bmm",
                     "upstream_unfused": "baddbmm + FusedScaleMaskSoftmax.forward_torch_softmax (upstream's unfused "
