@@ -337,6 +337,16 @@ def test_attention_dropout_on_the_cpu_runs_blockwise_and_says_so(rp, routed, cap
     assert not torch.equal(trained, evaluated), "dropout 0.5 in training changed nothing"
 
 
+def test_padding_attention_dropout_on_the_cpu_keeps_the_softmax_path_and_says_why(rp, routed, capsys):
+    """No causal future to skip: the blockwise kernel would be slower than the softmax path."""
+    core = routed(_Softmax(), mask_type="padding", dropout=0.1)
+    q, k, v = inputs("mha", torch.bfloat16)
+    core.train()
+    core(q, k, v, padding_mask(2, 24, 24))
+    assert routed.calls == 1, "padding-mask dropout on the CPU did not keep the softmax path"
+    assert "attention dropout with a padding mask on cpu" in capsys.readouterr().out
+
+
 # --- blockwise attention: attention dropout where SDPA's flash kernel takes none ------------------
 
 @pytest.fixture
@@ -352,7 +362,7 @@ def test_blockwise_matches_fp64_reference_forward_and_backward(rp, small_blocks,
     """The port's core attention with its blockwise kernel in SDPA's place (dropout 0 here, so the
     reference applies): every mask kind, era's masked rows, head layout and dtype, 40 rows in three
     blocks."""
-    monkeypatch.setattr(rp, "blockwise_wanted", lambda device, dropout_p: True)
+    monkeypatch.setattr(rp, "blockwise_wanted", lambda *args: True)
     q, k, v = inputs(layout, dtype, sq=40, sk=40)
     mask = padding_mask(2, 40, 40) if kind.startswith("padding") else None
     zero = kind != "padding-uniform-rows"

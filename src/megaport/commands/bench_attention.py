@@ -134,7 +134,7 @@ def _variants(args, torch):
         for t in (q, k, v):
             t.grad = None
 
-    blockwise = getattr(port, "blockwise_wanted", lambda *_: False)(device, args.dropout)
+    blockwise = getattr(port, "blockwise_wanted", lambda *_: False)(device, args.dropout, causal)
     backend = "blockwise" if blockwise else port.sdpa_backend(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), None,
                                                               args.dropout, causal, scale, groups != heads)
     return {"sdpa": sdpa, "port_softmax": port_softmax, "upstream_unfused": upstream_unfused}, clear, device, backend

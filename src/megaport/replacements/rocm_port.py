@@ -1564,10 +1564,19 @@ def blockwise_attention(query, key, value, attn_mask=None, dropout_p: float = 0.
     return out.to(query.dtype)
 
 
-def blockwise_wanted(device, dropout_p: float) -> bool:
-    """Whether attention dropout on ``device`` runs :func:`blockwise_attention`: where SDPA's flash
-    kernel takes no dropout (the CPU); GPUs' flash kernels take it (AOTriton on ROCm)."""
-    return dropout_p > 0 and torch.device(device).type == "cpu"
+def flash_takes_dropout(device) -> bool:
+    """Whether SDPA's flash kernel on ``device`` takes attention dropout: GPUs' do (AOTriton on
+    ROCm), the CPU's does not."""
+    return torch.device(device).type != "cpu"
+
+
+def blockwise_wanted(device, dropout_p: float, causal: bool) -> bool:
+    """Whether attention dropout on ``device`` runs :func:`blockwise_attention`: causal attention
+    where SDPA's flash kernel takes no dropout. With a padding mask there is no future to skip, and
+    the blockwise kernel's recomputation lost to the softmax path (2 cores, [2, 8, 2048, 64] fp16,
+    dropout 0.1, fwd+bwd: blockwise 1789 ms, the softmax path 1079, upstream's unfused path 1636;
+    causal: blockwise 686, softmax path 980, unfused 1495)."""
+    return dropout_p > 0 and causal and not flash_takes_dropout(device)
 
 
 def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=None, dropout_p: float = 0.0,
@@ -1596,7 +1605,7 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
         dead = mask.all(dim=-1, keepdim=True)
         allowed = ~(mask & ~dead)  # a dead row attends everywhere (no NaN), then is overwritten
     kwargs = {"enable_gqa": True} if groups != heads else {}
-    attend = blockwise_attention if blockwise_wanted(q.device, dropout_p) else \
+    attend = blockwise_attention if blockwise_wanted(q.device, dropout_p, causal) else \
         torch.nn.functional.scaled_dot_product_attention
     out = attend(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs)
     if dead is not None:
@@ -1669,6 +1678,9 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
     if not causal and attention_mask is not None and attention_mask.dtype != torch.bool:
         return None, "a float attention mask"
     dropout = core.attention_dropout.p if core.training else 0.0
+    if dropout > 0 and not causal and not flash_takes_dropout(query.device):
+        return None, (f"attention dropout with a padding mask on {query.device.type} (SDPA's flash kernel there "
+                      "takes no dropout, and with no causal future to skip the blockwise kernel is slower)")
     scale = _core_attention_scale(core)
     kwargs = dict(scale=scale, causal=causal, mask=None if causal else attention_mask, dropout_p=dropout,
                   fully_masked_rows_are_zero=FULLY_MASKED_ROWS_ARE_ZERO and sixteen_bit)
@@ -1679,10 +1691,10 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
         # asked with the call's own head dims (a V narrower or wider than Q/K is padded to theirs) and mask
         v = value.permute(1, 2, 0, 3) if value.shape[-1] == key.shape[-1] else k
         what = f"{str(query.dtype).replace('torch.', '')}, {'causal' if causal else 'padding'} mask"
-        if blockwise_wanted(query.device, dropout):
+        if blockwise_wanted(query.device, dropout, causal):
             say_once(f"core attention: the port's blockwise attention on {query.device.type} ({what}, attention "
-                     f"dropout {dropout:g}, fp32 query blocks{', the causal future skipped' if causal else ''}) in "
-                     "place of the fused softmax and two batched GEMMs: SDPA's flash kernel there takes no dropout")
+                     f"dropout {dropout:g}, fp32 query blocks, the causal future skipped) in place of the fused "
+                     "softmax and two batched GEMMs: SDPA's flash kernel there takes no dropout")
         else:
             chosen = sdpa_backend(q, k, v, None if causal else attention_mask, dropout, causal, scale,
                                   key.shape[2] != query.shape[2])
@@ -1735,7 +1747,7 @@ def flash_attn_varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's ``flash_attn_varlen_func`` (``flash_attn_unpadded_func`` before 2.0) through SDPA:
     ``q`` [total_q, h, d], ``k``/``v`` [total_k, h_kv, d] packed by ``cu_seqlens``; causal is aligned
     to the bottom-right corner, as flash-attn 2.1 on. Segments of one length (how upstream's
-    FlashSelfAttention packs a batch) run as one batched call; dropout on the CPU runs blockwise."""
+    FlashSelfAttention packs a batch) run as one batched call; causal dropout on the CPU runs blockwise."""
     lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
@@ -1745,7 +1757,7 @@ def flash_attn_varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         mask = None
         if causal and sq != sk:
             mask = torch.ones(sq, sk, dtype=torch.bool, device=qs.device).tril(sk - sq)
-        attention = blockwise_attention if blockwise_wanted(qs.device, dropout_p) else \
+        attention = blockwise_attention if blockwise_wanted(qs.device, dropout_p, causal) else \
             torch.nn.functional.scaled_dot_product_attention
         out = attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask,
                         dropout_p=dropout_p, is_causal=causal and sq == sk, scale=softmax_scale, **gqa)

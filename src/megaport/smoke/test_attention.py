@@ -83,11 +83,11 @@ def test_sdpa_core_attention_matches_fp64_reference(smoke, rocm_port, device, ki
 @pytest.mark.parametrize("kind", KINDS)
 def test_blockwise_core_attention_matches_fp64_reference(smoke, rocm_port, device, monkeypatch, kind, dtype_id,
                                                          layout):
-    """The port's blockwise kernel (attention dropout where SDPA's flash kernel takes none: the CPU)
-    in SDPA's place, dropout 0 so the reference applies, in blocks of 16 query rows."""
+    """The port's blockwise kernel (causal attention dropout where SDPA's flash kernel takes none: the
+    CPU) in SDPA's place, every mask kind, dropout 0 so the reference applies, blocks of 16 rows."""
     sdpa = _verdicts.port_name(rocm_port, "sdpa_core_attention")
     _verdicts.port_name(rocm_port, "blockwise_attention")
-    monkeypatch.setattr(rocm_port, "blockwise_wanted", lambda device, dropout_p: True)
+    monkeypatch.setattr(rocm_port, "blockwise_wanted", lambda *args: True)
     monkeypatch.setattr(rocm_port, "_BLOCK_ELEMENTS", 16)
     q, k, v, mask, grad = inputs(layout, DTYPES[dtype_id], device)
     scale = 1 / math.sqrt(q.shape[-1])
