@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megaport.errors import MegaportError
-from megaport.train import example, pretrain, wordpiece
+from megaport.train import example, pretrain, vocab_order, wordpiece
 from megaport.train.families import registry
 from megaport.train.families.spec import Family
 
@@ -259,6 +259,8 @@ def test_a_tokenizer_system_that_loads_bert_from_the_hub_reads_the_runs_vocabula
     assert (snapshot / "vocab.txt").read_text() == Path(flags[flags.index("--vocab-file") + 1]).read_text()
     assert '"do_lower_case": false' in (snapshot / "tokenizer_config.json").read_text()
     assert any("bert-large-cased" in n and "offline" in n for n in cmd.notes)
+    assert cmd.env[vocab_order.ENV] == "1"  # both runs see the hub tokenizer's vocabulary in one order
+    assert any("sorted by id" in n for n in cmd.notes)
     # a tree whose tokenizer reads the vocabulary file alone gets no such environment
     plain = make_tree(tmp_path / "plain", entry_points=("pretrain_t5.py",), parser="add('--data-path')",
                       scripts={"examples/t5/train_t5_220m_distributed.sh": T5_2024})

@@ -4,7 +4,9 @@
 
 ``--list-options`` first prints the options of the script's argument parser instead of running it.
 
-With ``--cpu`` the CUDA-only plumbing is substituted first (:mod:`megaport.cpu_substitutions`).
+With ``--cpu`` the CUDA-only plumbing is substituted first (:mod:`megaport.cpu_substitutions`); a run
+whose tokenizer comes from the Hugging Face hub gets its vocabulary in one order
+(:mod:`megaport.train.vocab_order`).
 When the script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on
 a GPU (upstream's own memory report comes after the first iteration, before fp16's skipped steps
 end and the optimizer's state exists), the process's peak RSS on the CPU.
@@ -18,7 +20,7 @@ import resource
 import runpy
 import sys
 
-from megaport.train import failure
+from megaport.train import failure, vocab_order
 
 PEAK = "> megaport: peak memory"
 OPTIONS = "> megaport: parser options"
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
         for line in cpu_substitutions.install(torch, "training", "deepspeed", tree=tree).lines:
             print(f"{cpu_substitutions.MARK} {line}", flush=True)
         placement = cpu_substitutions.install(torch, "placement-mode")  # taken back when the script returns
+    if os.environ.get(vocab_order.ENV):
+        vocab_order.install()
     if listing:
         _report_options()
     script = os.path.abspath(argv[0])

@@ -151,6 +151,7 @@ def _data(run: Run, family, tokens: list, workdir: str, notes: list) -> tuple:
 def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data: bool) -> tuple:
     """BERT's and T5's data (:mod:`megaport.train.wordpiece`) and how the tree's tokenizer reads
     its vocabulary without a download: (flags, what it is, the environment it needs)."""
+    from megaport.train import vocab_order
     from megaport.train.wordpiece import hub_tokenizer_name, offline_hub_tokenizer, wordpiece_data_flags
 
     data_env = {}
@@ -171,6 +172,7 @@ def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data
         data_env = offline_hub_tokenizer(workdir, hub, example.flag_value(data, "--vocab-file"))
         notes.append(f"{hub} (what the tree's tokenizer system loads for {tokenizer}, from the Hugging Face hub) "
                      "from a local cache holding the run's WordPiece vocabulary, offline")
+        notes.append(f"{vocab_order.NOTE} (for loss parity)")
     return data, described, data_env
 
 

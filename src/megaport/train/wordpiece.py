@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 
+from megaport.train import vocab_order
 from megaport.train.data import write_indexed_dataset
 from megaport.train.tree_files import tree_text
 
@@ -82,7 +83,8 @@ def offline_hub_tokenizer(workdir: str, name: str, vocab: str) -> dict:
     """A Hugging Face cache in ``workdir`` holding hub model ``name``'s tokenizer files with the run's
     vocabulary, laid out as ``huggingface_hub`` caches a download; the environment that makes
     ``AutoTokenizer.from_pretrained(name)`` read it offline (verify's runs have no network, and
-    both sides of a parity pair get the same files)."""
+    both sides of a parity pair get the same files), its vocabulary in one order
+    (:mod:`megaport.train.vocab_order`)."""
     hub = os.path.join(workdir, "hf-home", "hub")
     model = os.path.join(hub, "models--" + name.replace("/", "--"))
     snapshot = os.path.join(model, "snapshots", _SNAPSHOT)
@@ -96,4 +98,5 @@ def offline_hub_tokenizer(workdir: str, name: str, vocab: str) -> dict:
         with open(os.path.join(snapshot, filename), "w", encoding="utf-8") as f:
             json.dump(content, f)
     shutil.copyfile(vocab, os.path.join(snapshot, "vocab.txt"))
-    return {"HF_HOME": os.path.join(workdir, "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {"HF_HOME": os.path.join(workdir, "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            vocab_order.ENV: "1"}
