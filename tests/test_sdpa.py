@@ -85,12 +85,23 @@ def close(actual, expected, dtype, what):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
+#: the port's two kernels behind sdpa_core_attention: SDPA's own call, and the blockwise kernel
+#: (causal attention dropout on a CPU) forced, with blocks of 16 query rows over 40 rows (three
+#: blocks, so every block and causal-diagonal boundary is crossed), dropout 0 so the reference applies
+KERNELS = {"sdpa": 24, "blockwise": 40}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", ["causal", "padding", "padding-uniform-rows", "none"])
-def test_sdpa_matches_fp64_reference_forward_and_backward(rp, kind, layout, dtype):
-    q, k, v = inputs(layout, dtype)
-    mask = padding_mask(2, 24, 24) if kind.startswith("padding") else None
+def test_sdpa_matches_fp64_reference_forward_and_backward(rp, monkeypatch, kind, layout, dtype, kernel):
+    if kernel == "blockwise":
+        monkeypatch.setattr(rp, "blockwise_wanted", lambda *args: True)
+        monkeypatch.setattr(rp, "_BLOCK_ELEMENTS", 16)
+    rows = KERNELS[kernel]
+    q, k, v = inputs(layout, dtype, sq=rows, sk=rows)
+    mask = padding_mask(2, rows, rows) if kind.startswith("padding") else None
     zero = kind != "padding-uniform-rows"
     scale = 1 / math.sqrt(q.shape[-1]) * 0.9
     out = rp.sdpa_core_attention(q, k, v, scale=scale, causal=kind == "causal", mask=mask,
@@ -98,6 +109,7 @@ def test_sdpa_matches_fp64_reference_forward_and_backward(rp, kind, layout, dtyp
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(qr, kr, vr, scale, kind == "causal", mask, zero)
     assert out.dtype == dtype and out.shape == ref.shape
+    assert out.is_contiguous(), "the context is not contiguous: the era's linear layers view it in 2-D in backward"
     close(out, ref, dtype, "forward")
     grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
     out.backward(grad.to(dtype))
@@ -353,31 +365,6 @@ def test_padding_attention_dropout_on_the_cpu_keeps_the_softmax_path_and_says_wh
 def small_blocks(rp, monkeypatch):
     """Blocks of 16 query rows, so every test crosses block and causal-diagonal boundaries."""
     monkeypatch.setattr(rp, "_BLOCK_ELEMENTS", 16)
-
-
-@pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kind", ["causal", "padding", "padding-uniform-rows", "none"])
-def test_blockwise_matches_fp64_reference_forward_and_backward(rp, small_blocks, monkeypatch, kind, layout, dtype):
-    """The port's core attention with its blockwise kernel in SDPA's place (dropout 0 here, so the
-    reference applies): every mask kind, era's masked rows, head layout and dtype, 40 rows in three
-    blocks."""
-    monkeypatch.setattr(rp, "blockwise_wanted", lambda *args: True)
-    q, k, v = inputs(layout, dtype, sq=40, sk=40)
-    mask = padding_mask(2, 40, 40) if kind.startswith("padding") else None
-    zero = kind != "padding-uniform-rows"
-    scale = 1 / math.sqrt(q.shape[-1]) * 0.9
-    out = rp.sdpa_core_attention(q, k, v, scale=scale, causal=kind == "causal", mask=mask,
-                                 fully_masked_rows_are_zero=zero)
-    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = reference(qr, kr, vr, scale, kind == "causal", mask, zero)
-    assert out.dtype == dtype and out.shape == ref.shape
-    close(out, ref, dtype, "forward")
-    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
-    out.backward(grad.to(dtype))
-    ref.backward(grad.double())
-    for name, got, want in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
-        close(got, want, dtype, name)
 
 
 @pytest.mark.parametrize("causal, groups", [(True, 2), (False, 2), (True, 1)])

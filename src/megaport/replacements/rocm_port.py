@@ -1618,7 +1618,9 @@ def sdpa_core_attention(query, key, value, *, scale: float, causal: bool, mask=N
             out = torch.where(dead, mean.to(out.dtype), out)
     if out.shape[-1] != dv:
         out = out[..., :dv]
-    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
+    # contiguous, as upstream's context layer: the flash kernels' output is [b, s, n, d] in memory,
+    # and the era's linear layers view their saved input in 2-D in backward (2022-05's seqpar tree)
+    return out.permute(2, 0, 1, 3).contiguous().view(sq, b, heads * dv)
 
 
 def _kernel_exact_reason(core, config, extras: dict) -> str | None:
