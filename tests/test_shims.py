@@ -56,7 +56,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 24
+    assert len(registry.REGISTRY) == 25
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -519,6 +519,48 @@ def test_the_forks_t5_returns_its_loss_alone_unless_asked_for_the_moe_losses(tmp
         """
     stdout, loaded = _run_baseline_process(code, ["fork-t5-loss"], tmp_path, pythonpath=[tree])
     assert stdout.strip() == "'lm loss' ('lm loss', ['decoder'], ['encoder']) logits"
+    assert loaded == []
+
+
+# Megatron-DeepSpeed's BertModel from 319c9b1c, and pretrain_bert.py's loss_func before a9856ce0.
+_FORK_BERT_RETURN = {
+    "megatron/__init__.py": "",
+    "megatron/model/__init__.py": "",
+    "megatron/model/bert_model.py": """
+        class BertModel:
+            def __init__(self, return_moe_loss=False):
+                self.return_moe_loss = return_moe_loss
+
+            def forward(self, tokens):
+                lm_output, moe_losses = ("lm loss", "sop logits"), ["moe"]
+                return *lm_output, moe_losses if self.return_moe_loss else lm_output
+        """,
+    "fork_pretrain_bert.py": """
+        def loss_func(loss_mask, sentence_order, output_tensor):
+            lm_loss_, sop_logits = output_tensor
+            return lm_loss_, sop_logits
+        """}
+
+
+def test_the_forks_bert_triple_is_answered_by_its_loss_funcs_unpacking(tmp_path):
+    tree = _fake_upstream(tmp_path, _FORK_BERT_RETURN)
+    found = _failure_of("from megatron.model.bert_model import BertModel\nfrom fork_pretrain_bert import loss_func\n"
+                        "loss_func(None, None, BertModel().forward(1))", tree)
+    assert found.exception == "ValueError" and found.message == "too many values to unpack (expected 2)"
+    assert registry.pick([found], []) == "fork-bert-loss"
+    elsewhere = _failure_of("a, b = (1, 2, 3)")
+    assert registry.pick([elsewhere], []) is None  # the same error from another line
+
+
+def test_the_forks_bert_returns_its_two_outputs_unless_asked_for_the_moe_losses(tmp_path):
+    tree = _fake_upstream(tmp_path / "tree", _FORK_BERT_RETURN)
+    code = """
+        from megatron.model.bert_model import BertModel
+        from fork_pretrain_bert import loss_func
+        print(loss_func(None, None, BertModel().forward(1)), BertModel(return_moe_loss=True).forward(1))
+        """
+    stdout, loaded = _run_baseline_process(code, ["fork-bert-loss"], tmp_path, pythonpath=[tree])
+    assert stdout.strip() == "('lm loss', 'sop logits') ('lm loss', 'sop logits', ['moe'])"
     assert loaded == []
 
 
