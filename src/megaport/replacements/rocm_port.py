@@ -1456,11 +1456,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 # One query block's fp32 scores [b, n, rows, sk] of :func:`blockwise_attention` hold about this
-# many elements (4 MiB). Causal, dropout 0.1, fp16, head dim 64, fwd+bwd on this project's 2-core
-# CPU, idle, medians of five interleaved runs, blocks of 2^18 / 2^19 / 2^20 / 2^21 elements:
-# [2, 8, 512] 67 / 67 / 62 / 81 ms; [2, 8, 1024] 249 / 210 / 192 / 202; [2, 4, 2048] (E2's GPT
-# attention) 516 / 400 / 383 / 374; [2, 8, 2048] 909 / 952 / 812 / 805.
-_BLOCK_ELEMENTS = 1 << 20
+# many elements (8 MiB). E2's GPT attention ([2, 4, 2048, 64], causal, dropout 0.1, fwd+bwd, this
+# project's 2-core CPU): blocks of 64 rows 433-459 ms, 128: 433-495, 256: 404-477, 512: 467-578;
+# upstream's unfused path 764-829 ms, SDPA's math kernel 740-823 ms. Blocks of 2^20 (idle, fp16,
+# medians of five): [2, 8, 512] 62 ms against 81, [2, 8, 1024] 192 against 202, 2048 within 2 %;
+# but E2's training step then read 1313-1343 ms against 1169-1188 (one noisy pass each), so 2^21.
+_BLOCK_ELEMENTS = 1 << 21
 
 
 def _block_rows(heads_total: int, sq: int, sk: int) -> int:
