@@ -500,16 +500,6 @@ _FORK_T5_RETURN = {
         """}
 
 
-def test_the_forks_t5_tuple_is_answered_by_its_loss_funcs_float(tmp_path):
-    tree = _fake_upstream(tmp_path, _FORK_T5_RETURN)
-    found = _failure_of("from megatron.model.t5_model import T5Model\nfrom fork_pretrain_t5 import loss_func\n"
-                        "loss_func(None, T5Model().forward(1, lm_labels=1))", tree)
-    assert found.exception == "AttributeError" and found.message == "'tuple' object has no attribute 'float'"
-    assert registry.pick([found], []) == "fork-t5-loss"
-    elsewhere = _failure_of("(1, 2).float()")
-    assert registry.pick([elsewhere], []) is None  # the same error from another line
-
-
 def test_the_forks_t5_returns_its_loss_alone_unless_asked_for_the_moe_losses(tmp_path):
     tree = _fake_upstream(tmp_path / "tree", _FORK_T5_RETURN)
     code = """
@@ -542,14 +532,25 @@ _FORK_BERT_RETURN = {
         """}
 
 
-def test_the_forks_bert_triple_is_answered_by_its_loss_funcs_unpacking(tmp_path):
-    tree = _fake_upstream(tmp_path, _FORK_BERT_RETURN)
-    found = _failure_of("from megatron.model.bert_model import BertModel\nfrom fork_pretrain_bert import loss_func\n"
-                        "loss_func(None, None, BertModel().forward(1))", tree)
-    assert found.exception == "ValueError" and found.message == "too many values to unpack (expected 2)"
-    assert registry.pick([found], []) == "fork-bert-loss"
-    elsewhere = _failure_of("a, b = (1, 2, 3)")
-    assert registry.pick([elsewhere], []) is None  # the same error from another line
+#: the fork's unparenthesised conditional returns, as its loss functions meet them: (its files, the
+#: failing call, the exception and message, the shim that answers, the same error from another line)
+_FORK_RETURNS = {
+    "fork-t5-loss": (_FORK_T5_RETURN, "from megatron.model.t5_model import T5Model\nfrom fork_pretrain_t5 import "
+                     "loss_func\nloss_func(None, T5Model().forward(1, lm_labels=1))", "AttributeError",
+                     "'tuple' object has no attribute 'float'", "(1, 2).float()"),
+    "fork-bert-loss": (_FORK_BERT_RETURN, "from megatron.model.bert_model import BertModel\nfrom fork_pretrain_bert "
+                       "import loss_func\nloss_func(None, None, BertModel().forward(1))", "ValueError",
+                       "too many values to unpack (expected 2)", "a, b = (1, 2, 3)"),
+}
+
+
+@pytest.mark.parametrize("shim", list(_FORK_RETURNS))
+def test_the_forks_conditional_returns_are_answered_where_its_loss_funcs_meet_them(tmp_path, shim):
+    files, call, exception, message, elsewhere = _FORK_RETURNS[shim]
+    found = _failure_of(call, _fake_upstream(tmp_path, files))
+    assert found.exception == exception and found.message == message
+    assert registry.pick([found], []) == shim
+    assert registry.pick([_failure_of(elsewhere)], []) is None  # the same error from another line
 
 
 def test_the_forks_bert_returns_its_two_outputs_unless_asked_for_the_moe_losses(tmp_path):
