@@ -95,10 +95,10 @@ KERNELS = {"sdpa": 24, "blockwise": 40}
 @pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", ["causal", "padding", "padding-uniform-rows", "none"])
-def test_sdpa_matches_fp64_reference_forward_and_backward(rp, monkeypatch, kind, layout, dtype, kernel):
+def test_sdpa_matches_fp64_reference_forward_and_backward(rp, request, monkeypatch, kind, layout, dtype, kernel):
     if kernel == "blockwise":
         monkeypatch.setattr(rp, "blockwise_wanted", lambda *args: True)
-        monkeypatch.setattr(rp, "_BLOCK_ELEMENTS", 16)
+        request.getfixturevalue("small_blocks")
     rows = KERNELS[kernel]
     q, k, v = inputs(layout, dtype, sq=rows, sk=rows)
     mask = padding_mask(2, rows, rows) if kind.startswith("padding") else None

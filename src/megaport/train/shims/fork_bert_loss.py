@@ -30,7 +30,7 @@ def two_outputs(module) -> None:
         output = forward(self, *args, **kwargs)
         # (lm_loss, sop_logits, (lm_loss, sop_logits)): the tuple the unparenthesised conditional builds
         if (not getattr(self, "return_moe_loss", True) and isinstance(output, tuple) and len(output) == 3
-                and isinstance(output[2], tuple) and output[2][:1] == output[:1]):
+                and isinstance(output[2], tuple) and output[2] and output[2][0] is output[0]):
             return output[2]
         return output
 
