@@ -291,8 +291,15 @@ def lint(patches, fmt):
 @click.option("--model", "models", metavar="NAMES",
               help="Model families to train, comma-separated (gpt, bert, t5, llama, llama3, mixtral, deepseek); "
                    "default: every family the tree has.")
+@click.option("--layouts", metavar="NAMES",
+              help="Parallel layouts to train, comma-separated (tp2, tp2-sp, pp2, pp2-vpp, dp2-distopt, "
+                   "tp2-recompute, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
+                   "default: every layout the era has, each with its families.")
+@click.option("--checks", metavar="NAMES",
+              help="What each layout is compared with: one-rank (one rank from the same checkpoint), "
+                   "upstream (unported upstream in the same layout); default: both, where they apply.")
 @handle_errors
-def verify(tree, device, json_file, junit_file, keyword, strict, patches, models):
+def verify(tree, device, json_file, junit_file, keyword, strict, patches, models, layouts, checks):
     """Run the smoke suite against a ported TREE's own code (default: current directory).
 
     \b
@@ -302,6 +309,9 @@ def verify(tree, device, json_file, junit_file, keyword, strict, patches, models
     and a few steps of every model family the tree has (GPT, BERT, T5, Llama,
     Mixtral, DeepSeek: each through upstream's own entry point with its example's
     flags, with loss parity against unported upstream; --model picks some).
+    Then every parallel layout the era has (TP, SP, PP with interleaving, DP with
+    the distributed optimizer, CP, EP, two nodes on 127.0.0.1) trains on 2 or 4
+    ranks and must match one rank from the same checkpoint (--layouts picks some).
     Runs under pytest in a fresh process.
 
     A failure caused by the port, or by old upstream code that today's torch,
@@ -316,7 +326,8 @@ def verify(tree, device, json_file, junit_file, keyword, strict, patches, models
     from megaport.commands.verify import verify as run_verify
 
     options = VerifyOptions(tree=tree, device=device, json_file=json_file, junit_file=junit_file, keyword=keyword,
-                            strict=strict, patches=str(patches) if patches else None, models=models)
+                            strict=strict, patches=str(patches) if patches else None, models=models,
+                            layouts=layouts, checks=checks)
     return run_verify(options, _console(json_file))
 
 

@@ -43,6 +43,8 @@ class VerifyOptions:
     patches: str | None = None
     python: str | None = None
     models: str | None = None  # model families, comma-separated (None: all the tree has)
+    layouts: str | None = None  # parallel layouts, comma-separated, 'all' or 'none' (None: all the era has)
+    checks: str | None = None  # what layouts are compared with (None: every check)
 
 
 def smoke_dir() -> Path:
@@ -79,7 +81,8 @@ def require_pytest(python: str) -> None:
 
 
 def pytest_command(python: str, tree: Path, kind: str, rows: str, series: str, results: Path,
-                   junit: str | None, keyword: str | None, color: bool, models: list | None = None) -> list[str]:
+                   junit: str | None, keyword: str | None, color: bool, models: list | None = None,
+                   layouts: list | None = None, checks: list | None = None) -> list[str]:
     folder = smoke_dir()
     command = [
         python, "-m", "pytest", "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), str(folder),
@@ -91,6 +94,10 @@ def pytest_command(python: str, tree: Path, kind: str, rows: str, series: str, r
     ]
     if models:
         command += [f"--megaport-models={','.join(models)}"]
+    if layouts is not None:
+        command += [f"--megaport-layouts={','.join(layouts) or 'none'}"]
+    if checks:
+        command += [f"--megaport-checks={','.join(checks)}"]
     if junit:
         command += [f"--junitxml={Path(junit).expanduser().absolute()}"]
     if keyword:
@@ -103,6 +110,7 @@ def verify(options: VerifyOptions, console) -> int:
     tree, state = ported_tree(options.tree)
     rows = era_semantics(state, options.patches)
     models = _families(tree, options.models)
+    layouts, checks = _layouts_and_checks(options.layouts, options.checks)
     require_pytest(python)
     if options.device == "cpu" and python == sys.executable:
         # Nothing to choose: only check that torch is there (importing it here costs seconds; the
@@ -119,7 +127,8 @@ def verify(options: VerifyOptions, console) -> int:
     with tempfile.TemporaryDirectory(prefix="megaport-verify-") as scratch:
         results_file = Path(scratch) / "results.json"
         command = pytest_command(python, tree, kind, rows, state.series, results_file, options.junit_file,
-                                 options.keyword, color=stream.isatty(), models=models)
+                                 options.keyword, color=stream.isatty(), models=models, layouts=layouts,
+                                 checks=checks)
         console.print(f"verify {tree} ({state.series}, {state.upstream_ref} = {state.upstream_sha[:12]}) "
                       f"on {kind}: running the smoke suite under pytest")
         proc = _run_streaming(command, tree, stream)
@@ -161,6 +170,16 @@ def _families(tree: Path, requested: str | None) -> list | None:
     from megaport.train.families import registry
 
     return [f.name for f in registry.select(str(tree), requested)]
+
+
+def _layouts_and_checks(layouts: str | None, checks: str | None) -> tuple:
+    """The layouts and checks asked for, by name (a one-line error for an unknown one); None for
+    layouts where none were named (the suite's default: every layout the era has)."""
+    from megaport.train.checks import registry as check_registry
+    from megaport.train.layouts import registry as layout_registry
+
+    chosen = None if layouts is None else [layout.name for layout in layout_registry.select(layouts)]
+    return chosen, [check.name for check in check_registry.select(checks)] if checks else None
 
 
 def era_unverified(results: dict | None) -> list[str]:
@@ -336,6 +355,31 @@ def _family_rows(document: dict, state: PortState):
             yield f"family {name}", escape(family_row(facts))
 
 
+def layout_row(checks: dict) -> str:
+    """One family in one layout: each check's verdict and figures, and what the port said."""
+    parts = []
+    for name, compared in checks.items():
+        if "error" in compared:
+            parts.append(f"{name}: did not train: {compared['error']}")
+            continue
+        verdict = "holds" if not compared.get("problems") else "FAILS: " + compared["problems"][0].splitlines()[0]
+        norms = (f", grad norm {compared['grad_norm_max_relative_difference']:.1e}"
+                 if compared.get("grad_norm_compared") else "")
+        parts.append(f"vs {compared.get('against', name)} {verdict} (loss {compared['max_relative_difference']:.1e}"
+                     f"{norms} over {len(compared['iterations'])}, loss -{compared['loss_drop']:.0%})")
+    return "; ".join(parts)
+
+
+def _layout_rows(document: dict, state: PortState):
+    """One row a family in a parallel layout, and one for what the era lacks."""
+    device = document["device"]
+    for family, per_layout in (device.get("layouts") or {}).items():
+        for layout, checks in per_layout.items():
+            yield f"{layout} {family}", escape(layout_row(checks))
+    for line in device.get("layouts_absent") or []:
+        yield "layout not in era", escape(line)
+
+
 def _parity_rows(document: dict, state: PortState):
     """The loss (and grad norm) against the unported upstream commit with its fusions off."""
     parity = document["device"].get("loss_parity")
@@ -370,7 +414,7 @@ def _era_rows(document: dict, state: PortState):
 
 
 DEVICE_SECTIONS = (_run_rows, _environment_rows, _backend_rows, _training_rows, _cpu_rows, _family_rows,
-                   _parity_rows, _era_rows)
+                   _parity_rows, _layout_rows, _era_rows)
 
 
 def _results_table(tests: list):

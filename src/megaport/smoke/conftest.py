@@ -34,6 +34,10 @@ def pytest_addoption(parser):
     group.addoption("--megaport-results", metavar="FILE", default=None, help="write JSON results here")
     group.addoption("--megaport-models", metavar="NAMES", default=None,
                     help="model families to train, comma-separated (default: every family the tree has)")
+    group.addoption("--megaport-layouts", metavar="NAMES", default=None,
+                    help="parallel layouts to train, comma-separated, 'all' or 'none' (default: all the era has)")
+    group.addoption("--megaport-checks", metavar="NAMES", default=None,
+                    help="what each layout is compared with, comma-separated (default: every check)")
 
 
 def _read_state(tree: Path) -> dict:
@@ -119,7 +123,7 @@ def pytest_report_header(config):
 # Imports first (a broken import explains every later failure), then kernels, substitutes,
 # distributed, training.
 FILE_ORDER = ("test_imports.py", "test_kernels.py", "test_attention.py", "test_apex_substitutes.py",
-              "test_distributed.py", "test_training.py")
+              "test_distributed.py", "test_training.py", "test_layouts.py")
 
 
 def _file_rank(item) -> int:

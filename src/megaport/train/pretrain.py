@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,9 @@ from dataclasses import dataclass, field
 
 from megaport import deepspeed_fork
 from megaport.cpu_substitutions import MARK as CPU_MARK
-from megaport.train import deepspeed_example, example, failure, log
+from megaport.envpaths import with_paths_first
+from megaport.train import deepspeed_example, example, failure, log, torchrun
+from megaport.train.layouts import registry as layouts
 from megaport.train.shims import audit
 from megaport.train.launch import PEAK
 
@@ -62,7 +63,13 @@ class Run:
     data: str | None = None
     # More flags, each group with why it was added: ((flags...), note), ...
     extra: tuple = ()
-    nproc: int = 1
+    #: how the run is spread over ranks (:mod:`megaport.train.layouts`); "one-rank" by default
+    layout: str = "one-rank"
+    #: where the run writes its weights after its last iteration (None: nowhere)
+    save: str | None = None
+    #: a checkpoint the run starts from: its weights only, iteration, optimizer and RNG fresh
+    #: (upstream's --finetune --no-load-optim --no-load-rng), resharded to the run's layout
+    load: str | None = None
     # Megatron-DeepSpeed trees: "deepspeed" (the example's --deepspeed, DeepSpeed's engine) or
     # "megatron" (its DeepSpeed flags left out: Megatron's own loop). Upstream trees ignore it.
     engine: str = "deepspeed"
@@ -80,6 +87,8 @@ class Command:
     notes: list = field(default_factory=list)
     #: environment variables the run's data needs (an offline tokenizer cache), set on both sides
     env: dict = field(default_factory=dict)
+    #: the launchers of the run's other "nodes" (same rendezvous), started beside ``argv``
+    other_nodes: list = field(default_factory=list)
 
     def shell(self, env: dict | None = None) -> str:
         """A line to paste into a shell, with ``env``'s variables set for the command."""
@@ -125,12 +134,45 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
+    flags += _layout_flags(run, notes) + _checkpoint_flags(run, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(port or _free_port()),
-                "-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else [])]
-    return Command(launcher + [family.entry_point, *flags], run.tree, described, notes, data_env)
+    target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
+    first, *others = torchrun.node_commands(layouts.get(run.layout).ranks, target, port=port)
+    return Command(first, run.tree, described, notes, data_env, others)
+
+
+def _layout_flags(run: Run, notes: list) -> list:
+    """The layout's flags (and the micro-batch it needs), given after everything else; said once."""
+    layout = layouts.get(run.layout)
+    if layout is layouts.ONE_RANK:
+        return []
+    flags = layout.flags_for(run.tree)
+    if layout.micro_batch is not None:
+        flags += ["--micro-batch-size", str(layout.micro_batch)]
+    ranks = layout.ranks
+    where = f"{ranks.per_node} ranks" if ranks.nodes == 1 else f"{ranks.nodes} nodes of {ranks.per_node} rank(s)"
+    notes.append(f"layout {layout.name}: {layout.summary}, {where} ({' '.join(flags)})")
+    return flags
+
+
+def _checkpoint_flags(run: Run, notes: list) -> list:
+    """Where the run saves its weights and what it starts from, in the era's checkpoint format:
+    upstream's distributed format where the parser has it (it reshards to any layout)."""
+    flags = []
+    if run.save or run.load:
+        if example.parser_has(run.tree, "--ckpt-format"):
+            flags += ["--ckpt-format", "torch_dist"]
+        elif example.parser_has(run.tree, "--use-dist-ckpt"):
+            flags += ["--use-dist-ckpt"]
+    if run.save:
+        flags += ["--save", run.save, "--save-interval", str(run.sizes.steps)]
+        notes.append(f"saves its weights after iteration {run.sizes.steps}")
+    if run.load:
+        flags += ["--load", run.load, "--finetune", "--no-load-optim", "--no-load-rng"]
+        notes.append("starts from a checkpoint's weights (--finetune --no-load-optim --no-load-rng): "
+                     "iteration, optimizer and RNG fresh")
+    return flags
 
 
 def _data(run: Run, family, tokens: list, workdir: str, notes: list) -> tuple:
@@ -211,10 +253,9 @@ def environment(tree: str, base: dict | None = None) -> dict:
     this interpreter's folders first on PATH, so upstream's dataset-helper Makefile builds for it
     (it calls ``python3`` and ``python3-config``, which a venv lacks)."""
     env = dict(os.environ if base is None else base)
-    paths = [tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = with_paths_first(env, tree)
     folders = [os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or ""]
-    env.update(PYTHONPATH=os.pathsep.join(paths), CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PATH=os.pathsep.join([f for f in folders if f] + [env.get("PATH", "")]))
+    env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PATH=os.pathsep.join([f for f in folders if f] + [env.get("PATH", "")]))
     return deepspeed_fork.accelerator_env(tree, env)
 
 
@@ -272,8 +313,7 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
 
         run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
                    **{k: v for k, (v, _) in registry.get(run.family).environment_for(run.tree).items()}, **cmd.env}
-        proc = subprocess.run(cmd.argv, cwd=cmd.cwd, env=run_env, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        proc = _run_nodes(cmd, run_env, timeout)
         died_of, port_code = failure.read(failures), audit.read(audits)
     text = proc.stdout + "\n" + proc.stderr
     iterations = log.parse_log(text)
@@ -290,7 +330,7 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
             "sizes": dataclasses.asdict(sizes),
             "iterations": [i.iteration for i in iterations], "losses": [i.loss for i in iterations],
             "grad_norms": [i.grad_norm for i in iterations],
-            "ms_per_iter": ms, "tokens_per_s": sizes.batch * sizes.seq * run.nproc / (ms / 1000),
+            "ms_per_iter": ms, "tokens_per_s": sizes.batch * sizes.seq / (ms / 1000), "layout": run.layout,
             "peak_memory_bytes": int(peak.group(1)) if peak else None,
             "peak_memory_kind": peak.group(2) if peak else None,
             "port_log": log.port_lines(text),
@@ -298,10 +338,23 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
             "baseline_port_code": port_code, "deepspeed_engine": "--deepspeed" in cmd.argv}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run_nodes(cmd: Command, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run the command's launchers, the other nodes' beside the first, and join their output (the
+    last rank, which logs the losses, may be on any node); the first failing exit code wins."""
+    others = [subprocess.Popen(argv, cwd=cmd.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL) for argv in cmd.other_nodes]
+    try:
+        first = subprocess.run(cmd.argv, cwd=cmd.cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL)
+        outputs = [other.communicate(timeout=timeout) for other in others]
+    finally:
+        for other in others:
+            if other.poll() is None:
+                other.kill()
+                other.wait()
+    code = next((c for c in [first.returncode] + [o.returncode for o in others] if c), 0)
+    return subprocess.CompletedProcess(cmd.argv, code, "".join([first.stdout] + [out for out, _ in outputs]),
+                                       "".join([first.stderr] + [err for _, err in outputs]))
 
 
 def main(argv=None) -> int:
@@ -317,6 +370,8 @@ def main(argv=None) -> int:
                         help="Megatron-DeepSpeed trees: DeepSpeed's engine (the example's --deepspeed) or "
                              "Megatron's own loop")
     parser.add_argument("--model", default="gpt", help="the model family (megaport.train.families)")
+    parser.add_argument("--layout", default=layouts.ONE_RANK.name, choices=[layouts.ONE_RANK.name, *layouts.LAYOUTS],
+                        help="how the run is spread over ranks and nodes (megaport.train.layouts)")
     parser.add_argument("--print-command", action="store_true",
                         help="write the run's data files (eras without --mock-data) to --workdir, print the "
                              "command and exit")
@@ -332,8 +387,9 @@ def main(argv=None) -> int:
     defaults = GPU_SIZES if args.device == "cuda" else example.Sizes()
     sizes = example.Sizes(**{k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in dataclasses.asdict(defaults).items()})
-    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=sizes, engine=args.engine,
-              family=args.model)
+    layout = layouts.get(args.layout)
+    run = Run(tree=os.path.abspath(args.tree), mode=args.mode, device=args.device, sizes=layout.sizes(sizes),
+              engine=args.engine, family=args.model, layout=layout.name)
     if args.print_command:
         workdir = args.workdir or tempfile.mkdtemp(prefix="megaport-pretrain-")
         os.makedirs(workdir, exist_ok=True)
@@ -341,9 +397,12 @@ def main(argv=None) -> int:
         # PATH as the run has it (this interpreter's folders first: upstream's helper build calls python3)
         env = {**environment(run.tree, {}), "PATH": environment(run.tree)["PATH"],
                **{k: v for k, (v, _) in family.environment_for(run.tree).items()}, **cmd.env}
-        print(cmd.shell({k: env[k] for k in ("PYTHONPATH", "PATH", "CUDA_DEVICE_MAX_CONNECTIONS",
-                                             deepspeed_fork.ACCELERATOR_ENV, *family.environment_for(run.tree),
-                                             *cmd.env) if k in env}))
+        shown = {k: env[k] for k in ("PYTHONPATH", "PATH", "CUDA_DEVICE_MAX_CONNECTIONS", deepspeed_fork.ACCELERATOR_ENV,
+                                     *family.environment_for(run.tree), *cmd.env) if k in env}
+        for node, argv in enumerate([cmd.argv, *cmd.other_nodes]):
+            if cmd.other_nodes:
+                print(f"# node {node} (start every node's command; each waits for the others at the rendezvous)")
+            print(dataclasses.replace(cmd, argv=argv).shell(shown))
         return 0
     print(json.dumps(run_pretrain(run)))
     return 0

@@ -1,0 +1,56 @@
+"""Parallel layouts: every layout the tree's era has trains through upstream's own entry point on
+several ranks (and two "nodes") and matches one rank from the same checkpoint; where unported
+upstream trains the layout without TE, it also matches upstream in that layout.
+
+The runs are the plan of :mod:`megaport.train.plan` (family x layout x check), one test each;
+``megaport verify --layouts`` and ``--model`` choose them. A layout the era lacks (no
+``--context-parallel-size`` before core 0.6, a model without experts for EP) is not a test: it is
+listed in the report with why. Facts: ``layouts.<family>.<layout>.<check>``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from megaport.smoke import _session
+from megaport.train import plan as planner
+from megaport.train.checks import registry as checks
+from megaport.train.checks.spec import Context
+from megaport.train.layouts import registry as layouts
+
+_WORKDIR: list = []
+
+
+def pytest_generate_tests(metafunc):
+    if "planned" in metafunc.fixturenames:
+        config = metafunc.config
+        smoke = config.stash[_session.SMOKE_KEY]
+        models = config.getoption("--megaport-models")
+        runs, absent = planner.plan(str(smoke.tree), layouts.select(config.getoption("--megaport-layouts")),
+                                    checks.select(config.getoption("--megaport-checks")),
+                                    models=[m.strip() for m in models.split(",")] if models else None)
+        smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}: {a.why}" for a in absent]
+        metafunc.parametrize("planned", runs, ids=[r.id for r in runs])
+
+
+@pytest.fixture(scope="module")
+def context(smoke):
+    folder = tempfile.mkdtemp(prefix="megaport-layouts-")
+    yield Context(str(smoke.tree), smoke.state.get("upstream_sha"), smoke.gpu, smoke.subprocess_env(), folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_layout_trains_and_matches(smoke, context, planned):
+    facts = smoke.facts.setdefault("layouts", {}).setdefault(planned.family.name, {}).setdefault(
+        planned.layout.name, {})
+    try:
+        compared = planned.check.compare(context, planned.family.name, planned.layout)
+    except RuntimeError as exc:
+        facts[planned.check.name] = {"error": str(exc).splitlines()[0]}
+        pytest.fail(str(exc), pytrace=False)
+    facts[planned.check.name] = compared
+    assert not compared["problems"], f"{planned.layout.name} against {compared['against']}:\n" + "\n".join(
+        compared["problems"])

@@ -1,0 +1,1 @@
+"""What a training run is compared with (:mod:`.registry`): unported upstream, or one rank from the same checkpoint."""

@@ -1,0 +1,33 @@
+"""What a check is: given a planned run (a family in a layout on a tree), train what it needs and
+say how the run compares with its yardstick. One spec; each check its own module beside this one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a check needs to run: the tree, its unported commit, the device, an environment for the
+    ported tree's processes, and a folder for what the checks of one session share (checkpoints)."""
+
+    tree: str
+    upstream_sha: str | None
+    gpu: bool
+    env: dict
+    workdir: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """One yardstick a training run is held to."""
+
+    name: str
+    #: one line for people: what is compared with what
+    summary: str
+    #: (context, family name, layout) -> the comparison: a dict with at least ``problems`` (empty
+    #: when the check holds), ``against`` and the figures the report shows
+    compare: Callable
+    #: whether the check applies to a layout (the one-rank yardstick needs one that is not one rank)
+    applies: Callable = lambda layout: True

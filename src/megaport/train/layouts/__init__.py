@@ -1,0 +1,1 @@
+"""Parallel layouts: how a training run is spread over ranks and nodes (:mod:`.spec`, :mod:`.registry`)."""

@@ -1,0 +1,67 @@
+"""Every parallel layout verify and ``bench --train`` know, one row each: AMD's Megatron guide's
+layouts (TP + SP + CP, the distributed optimizer, EP for Mixtral, interleaved pipelines, two
+nodes) on 2 ranks, 4 where two dimensions meet. Adding one adds a row, never a branch."""
+
+from __future__ import annotations
+
+from megaport.errors import MegaportError
+from megaport.train.layouts.spec import Layout
+from megaport.train.torchrun import Ranks
+
+TP2, SP = ("--tensor-model-parallel-size", "2"), ("--sequence-parallel",)
+_SP_SERVED = ("the port's norm wherever upstream's torch norm refuses sequence parallelism, its parameters marked "
+              "sequence_parallel so TP ranks all-reduce their gradients")
+_CP_SERVED = "core attention through the port's context-parallel attention (K/V exchanged between CP ranks)"
+
+#: the single-rank run every layout is compared with (not trained as a layout of its own)
+ONE_RANK = Layout("one-rank", "one rank, nothing split", families=())
+
+LAYOUTS = {layout.name: layout for layout in (
+    Layout("tp2", "tensor parallel over 2 ranks", Ranks(2), TP2, families=("gpt", "llama")),
+    Layout("tp2-sp", "tensor + sequence parallel over 2 ranks", Ranks(2), TP2 + SP,
+           families=("llama", "deepseek"), served=_SP_SERVED, upstream_runs=False),
+    Layout("pp2", "2 pipeline stages", Ranks(2), ("--pipeline-model-parallel-size", "2"), families=("llama",)),
+    Layout("pp2-vpp", "2 pipeline stages, 2 interleaved virtual stages each", Ranks(2),
+           ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+           micro_batch=1, layers=4, families=("gpt",)),
+    Layout("dp2-distopt", "2 data-parallel ranks, distributed optimizer, overlapped grad reduce and param gather",
+           Ranks(2), ("--use-distributed-optimizer",),
+           optional=(("--overlap-grad-reduce",), ("--overlap-param-gather",)), micro_batch=1, families=("llama",)),
+    Layout("tp2-recompute", "tensor parallel over 2 ranks, full activation recomputation", Ranks(2),
+           TP2 + ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+           families=("gpt",)),
+    Layout("cp2", "context parallel over 2 ranks (load-balanced causal split)", Ranks(2),
+           ("--context-parallel-size", "2"), families=("llama",), served=_CP_SERVED, upstream_runs=False),
+    Layout("ep2", "experts split over 2 ranks", Ranks(2), ("--expert-model-parallel-size", "2"), experts=True,
+           families=("mixtral",)),
+    Layout("tp2-pp2", "tensor parallel 2 x 2 pipeline stages", Ranks(4),
+           TP2 + ("--pipeline-model-parallel-size", "2"), families=("gpt",)),
+    Layout("tp2-cp2", "tensor + sequence parallel 2 x context parallel 2", Ranks(4),
+           TP2 + SP + ("--context-parallel-size", "2"), families=("llama",), served=f"{_SP_SERVED}; {_CP_SERVED}",
+           upstream_runs=False),
+    Layout("ep2-tp2", "experts over 2 ranks x tensor + sequence parallel 2", Ranks(4),
+           TP2 + SP + ("--expert-model-parallel-size", "2"), experts=True, families=("mixtral",), served=_SP_SERVED,
+           upstream_runs=False),
+    Layout("two-nodes", "tensor + sequence parallel across 2 nodes (one launcher each, rendezvous on 127.0.0.1)",
+           Ranks(1, nodes=2), TP2 + SP, families=("llama",), served=_SP_SERVED, upstream_runs=False),
+)}
+
+
+def get(name: str) -> Layout:
+    """The layout called ``name``; a one-line error listing the known ones otherwise."""
+    if name == ONE_RANK.name:
+        return ONE_RANK
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise MegaportError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}", exit_code=2) from None
+
+
+def select(requested: str | None) -> list:
+    """The layouts a run trains: ``requested`` (comma-separated names, ``all``, or ``none``), else all."""
+    if requested is None or requested.strip() == "all":
+        return list(LAYOUTS.values())
+    names = [n.strip() for n in requested.split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    return [get(n) for n in dict.fromkeys(names)]

@@ -1,0 +1,65 @@
+"""What a parallel layout is to verify and ``bench --train``: one spec, read by the run planner.
+
+A layout says how many ranks a run takes and on how many "nodes", the upstream flags that split
+the model that way, the era features it needs (flags of the tree's parser), what of a model it
+needs (experts), and how the run's sizes must change for it to split at all (layers for pipeline
+stages, micro-batches for data parallelism or an interleaved schedule). Adding a layout adds a row
+in :mod:`.registry`; nothing in the runner branches on a layout's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megaport.train import example
+from megaport.train.torchrun import Ranks
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way of spreading a training run over ranks."""
+
+    name: str
+    #: one line for people: what it splits and how
+    summary: str
+    ranks: Ranks = Ranks()
+    #: upstream's flags for it, given after the family's (argparse: the last value wins); the era's
+    #: parser must have each for the layout to exist in it
+    flags: tuple = ()
+    #: flags that go with it where the era's parser has them (overlapped communication came after
+    #: the distributed optimizer): ((flags...), ...)
+    optional: tuple = ()
+    #: the micro-batch size a run needs so that each rank (data parallelism) or stage (an
+    #: interleaved schedule) gets whole micro-batches of the same global batch; None: the family's
+    micro_batch: int | None = None
+    #: the fewest layers the split needs (pipeline stages times virtual stages)
+    layers: int | None = None
+    #: whether it splits experts (a family without ``--num-experts`` has none to split)
+    experts: bool = False
+    #: the families a default verify trains it with (those the tree has); others on request
+    families: tuple = ("llama",)
+    #: what the port serves for it where upstream needs TransformerEngine or apex (report)
+    served: str = ""
+    #: whether unported upstream with its fusions off trains it without TE (loss parity in the
+    #: layout); where it refuses (its torch norm under SP, its attention under CP), the comparison
+    #: with one rank is the layout's yardstick
+    upstream_runs: bool = True
+
+    def present(self, tree: str, family_flags: list) -> str | None:
+        """Why the layout cannot run on ``tree`` with a family of ``family_flags``; None where it can."""
+        if self.experts and "--num-experts" not in family_flags:
+            return "the model has no experts to split"
+        missing = [f for f in self.flags if f.startswith("--") and not example.parser_has(tree, f)]
+        return f"the era's parser has no {', '.join(missing)}" if missing else None
+
+    def flags_for(self, tree: str) -> list:
+        """The layout's flags, and those of :attr:`optional` the era's parser has."""
+        return list(self.flags) + [t for group in self.optional if example.parser_has(tree, group[0]) for t in group]
+
+    def sizes(self, sizes: example.Sizes) -> example.Sizes:
+        """``sizes`` with at least the layers the split needs (the one-rank run it is compared with
+        takes the same sizes)."""
+        if self.layers and sizes.layers < self.layers:
+            return dataclasses.replace(sizes, layers=self.layers)
+        return sizes

@@ -1,0 +1,57 @@
+"""A training run is a declared Family x Layout x Check, planned here, in one place.
+
+verify's parallel matrix and ``bench --train`` read the same plan: a family (what model,
+:mod:`megaport.train.families`), a layout (how many ranks and how split,
+:mod:`megaport.train.layouts`) and a check (what it is compared with,
+:mod:`megaport.train.checks`). What the era lacks is decided here too, from the tree's parser
+(:meth:`Layout.present`), and listed with why rather than dropped silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaport.train.checks.spec import Check
+from megaport.train.families import registry as families
+from megaport.train.families.spec import Family
+from megaport.train.layouts.spec import Layout
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run verify trains and the yardstick it is held to."""
+
+    family: Family
+    layout: Layout
+    check: Check
+
+    @property
+    def id(self) -> str:
+        return f"{self.family.name}-{self.layout.name}-{self.check.name}"
+
+
+@dataclass(frozen=True)
+class Absent:
+    """A family in a layout the tree cannot train, and why (the era's parser, a model without experts)."""
+
+    family: str
+    layout: str
+    why: str
+
+
+def plan(tree: str, layouts: list, checks: list, *, models: list | None = None) -> tuple[list, list]:
+    """The runs for ``tree``: each layout with the families it names by default (those the tree has;
+    ``models``, family names, in their place where given), each held to every check that applies
+    to it. Returns (runs, absent)."""
+    present = {f.name: f for f in families.families_for(tree)}
+    runs, absent = [], []
+    for layout in layouts:
+        names = models if models is not None else [n for n in layout.families if n in present]
+        for name in names:
+            family = present.get(name) or families.get(name)
+            why = layout.present(tree, family.flags(tree)[0]) if name in present else "the tree has no such family"
+            if why is not None:
+                absent.append(Absent(name, layout.name, why))
+                continue
+            runs += [PlannedRun(family, layout, check) for check in checks if check.applies(layout)]
+    return runs, absent
