@@ -258,9 +258,9 @@ def ported_tree(tree: Path) -> tuple[Path, PortState]:
 
 
 def subprocess_env(tree: Path) -> dict:
-    env = dict(os.environ)
-    parts = [str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(parts)
+    from megaport.envpaths import with_paths_first
+
+    env = with_paths_first(None, tree)
     # Only the plugins the suite asks for: third-party pytest plugins installed on the machine
     # (random order, xdist, timeouts...) stay out of the run.
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"

@@ -9,11 +9,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from megaport.train import torchrun
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 RANKS = 2
@@ -45,16 +46,13 @@ def worker_command(smoke, backend: str, device_kind: str, out: Path) -> list[str
         unverified = smoke.facts.setdefault("era_unverified", [])
         if note not in unverified:
             unverified.append(note)
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-        f"--nproc-per-node={RANKS}", "--max-restarts=0", "--monitor-interval=0.2",
-        str(WORKER), "--tree", str(smoke.tree), "--out", str(out), "--device", device_kind, "--backend", backend,
-        "--wgrad-fusion", "yes" if fuses else "no",
-    ]
+    target = [str(WORKER), "--tree", str(smoke.tree), "--out", str(out), "--device", device_kind,
+              "--backend", backend, "--wgrad-fusion", "yes" if fuses else "no"]
+    return torchrun.node_commands(torchrun.Ranks(RANKS), target)[0]
 
 
 def start(smoke, backend: str, device_kind: str) -> Launch:
-    """torch.distributed.run --standalone (free ports chosen by the launcher) with the worker."""
+    """The one torchrun launcher (:mod:`megaport.train.torchrun`) with the worker."""
     key = (backend, device_kind)
     if key in _LAUNCHES:
         return _LAUNCHES[key]

@@ -8,7 +8,6 @@ and never supplies an implementation of its own.
 from __future__ import annotations
 
 import importlib
-import os
 import traceback
 from pathlib import Path
 
@@ -85,7 +84,6 @@ def tree_frame(exc: BaseException, tree: Path) -> str:
 
 def env_with_paths(*paths: str | Path) -> dict:
     """os.environ with ``paths`` first on PYTHONPATH (for the subprocesses the suite starts)."""
-    env = dict(os.environ)
-    parts = [str(p) for p in paths] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(parts)
-    return env
+    from megaport.envpaths import with_paths_first
+
+    return with_paths_first(None, *paths)

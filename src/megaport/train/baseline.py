@@ -16,6 +16,7 @@ import dataclasses
 import os
 import tempfile
 
+from megaport.envpaths import with_paths_first, without_pythonpath
 from megaport.git import export_commit
 from megaport.train.shims import registry as shims
 from megaport.train.failure import RunFailed
@@ -27,10 +28,8 @@ def unported_upstream(tree, sha: str):
     without the tree's PYTHONPATH: ``(folder, env)``."""
     with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as folder:
         export_commit(tree, sha, folder)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         own = megaport_import_path()
-        if own:
-            env["PYTHONPATH"] = own
+        env = with_paths_first(without_pythonpath(), own) if own else without_pythonpath()
         yield folder, env
 
 

@@ -148,7 +148,9 @@ def parser_help_flags(tree: str) -> frozenset:
     from megaport.train.launch import OPTIONS
 
     if tree not in _HELP_CACHE:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        from megaport.envpaths import with_paths_first
+
+        env = with_paths_first(None, tree)
         proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--list-options", "--cpu",
                                "pretrain_gpt.py"], cwd=tree, env=env, capture_output=True, text=True,
                               stdin=subprocess.DEVNULL)

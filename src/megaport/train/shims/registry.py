@@ -45,8 +45,9 @@ def pick(failures, have) -> str | None:
 def environment(env: dict, names: list) -> dict:
     """``env`` for a baseline process with ``names`` installed at start-up (by this package's
     ``sitecustomize``, first on PYTHONPATH); with no names, only the audit of port code."""
-    paths = [str(_STARTUP)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(_STARTUP)]
-    return {**env, "PYTHONPATH": os.pathsep.join(paths), SHIMS_ENV: ",".join(names)}
+    from megaport.envpaths import with_paths_first
+
+    return {**with_paths_first(env, _STARTUP), SHIMS_ENV: ",".join(names)}
 
 
 def install_from_environment() -> list:
