@@ -234,6 +234,13 @@ def test_the_placement_mode_keeps_a_cuda_placement_in_backward_on_the_cpu(clean)
     assert x.grad.device.type == "cpu" and torch.equal(x.grad, torch.full((2,), 2.0))
 
 
+def test_the_placement_mode_drops_pin_memory(clean):
+    """Upstream's get_pos_emb_on_this_cp_rank pins its index tensor (no driver to pin with here)."""
+    with cpu_substitutions.placement_mode(torch):
+        index = torch.tensor([0, 3], device="cpu", pin_memory=True)
+    assert index.device.type == "cpu" and index.tolist() == [0, 3]
+
+
 _FORK_MODULE = '''
 import torch
 

@@ -158,7 +158,8 @@ def _on_gpu(torch, value) -> bool:
 
 def placement_mode(torch):
     """A TorchFunctionMode that keeps upstream's GPU placements on the CPU: ``device='cuda'``/index
-    arguments and ``.to('cuda')`` stay on the CPU, ``Tensor.type()`` names CPU tensors
+    arguments and ``.to('cuda')`` stay on the CPU, ``pin_memory=True`` is dropped (2024's CP RoPE
+    slicing pins its index), ``Tensor.type()`` names CPU tensors
     ``torch.cuda.*`` for upstream's type checks, and ``torch.histc`` of integers (CUDA has it, the
     CPU not; 2024's MoE router counts tokens per expert with it) counts on a float copy, the counts
     in the input's dtype (exact below 2^24)."""
@@ -172,6 +173,8 @@ def placement_mode(torch):
                 return func(*args).replace("torch.", "torch.cuda.", 1)
             if _on_gpu(torch, kwargs.get("device")):
                 kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):  # pinning needs a GPU driver; the host copy is the tensor itself
+                kwargs["pin_memory"] = False
             if func is torch.Tensor.to and len(args) > 1 and _on_gpu(torch, args[1]):
                 args = (args[0], "cpu") + tuple(args[2:])
             if func in (torch.histc, torch.Tensor.histc) and args and not args[0].is_floating_point():
