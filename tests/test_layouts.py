@@ -1,0 +1,152 @@
+"""Parallel layouts as a plan: Family x Layout x Check, the one torchrun launcher, and the commands
+a layout gives a tree's entry point. The training itself runs in ``megaport verify`` (the smoke
+suite's test_layouts.py); the full-clone test at the end trains layouts on a real upstream tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megaport.errors import MegaportError
+from megaport.train import example, plan, pretrain, torchrun
+from megaport.train.checks import registry as checks
+from megaport.train.layouts import registry as layouts
+from megaport.train.layouts.spec import Layout
+
+
+def _tree(tmp_path, parser_flags: list, script: str | None = None):
+    """A tree whose parser defines ``parser_flags`` (and the families' presence flags)."""
+    tree = tmp_path / "tree"
+    (tree / "megatron" / "training").mkdir(parents=True)
+    (tree / "pretrain_gpt.py").write_text("")
+    lines = [f"    group.add_argument('{flag}')" for flag in parser_flags]
+    (tree / "megatron" / "training" / "arguments.py").write_text("def add(group):\n" + "\n".join(lines) + "\n")
+    if script:
+        path = tree / "examples" / "mixtral" / "train_mixtral_8x7b_distributed.sh"
+        path.parent.mkdir(parents=True)
+        path.write_text(script)
+    return str(tree)
+
+
+LLAMA_FLAGS = ["--normalization", "--swiglu", "--group-query-attention", "--disable-bias-linear",
+               "--untie-embeddings-and-output-weights", "--no-position-embedding"]
+
+
+def test_every_layout_splits_over_two_or_more_ranks_and_says_what_it_is():
+    for layout in layouts.LAYOUTS.values():
+        assert layout.ranks.world >= 2, layout.name
+        assert layout.summary and layout.flags, layout.name
+        assert layout.families, f"{layout.name} names no family a default verify trains it with"
+    assert {"tp2-sp", "cp2", "ep2", "pp2-vpp", "dp2-distopt", "two-nodes"} <= set(layouts.LAYOUTS)
+    assert layouts.get("two-nodes").ranks == torchrun.Ranks(1, nodes=2)
+
+
+def test_unknown_layout_or_check_is_a_one_line_error():
+    with pytest.raises(MegaportError, match="unknown layout 'tp3'; known: tp2"):
+        layouts.select("tp2,tp3")
+    with pytest.raises(MegaportError, match="unknown check 'speed'"):
+        checks.select("one-rank,speed")
+    assert layouts.select("none") == [] and len(layouts.select("all")) == len(layouts.LAYOUTS)
+
+
+def test_a_layout_is_absent_where_the_eras_parser_lacks_its_flags(tmp_path):
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
+    runs, absent = plan.plan(tree, [layouts.get("tp2-sp"), layouts.get("cp2")], [checks.CHECKS["one-rank"]])
+    assert [r.id for r in runs] == ["llama-tp2-sp-one-rank"]
+    assert [(a.family, a.layout) for a in absent] == [("llama", "cp2")]
+    assert "--context-parallel-size" in absent[0].why
+
+
+def test_expert_layouts_need_a_model_with_experts(tmp_path):
+    tree = _tree(tmp_path, ["--expert-model-parallel-size", "--num-experts", "--moe-router-topk", *LLAMA_FLAGS],
+                 script="ARGS=(--num-experts 8 --moe-router-topk 2 --normalization RMSNorm)\n")
+    ep2 = layouts.get("ep2")
+    runs, absent = plan.plan(tree, [ep2], [checks.CHECKS["one-rank"]], models=["mixtral", "llama"])
+    assert [r.id for r in runs] == ["mixtral-ep2-one-rank"]
+    assert absent[0].family == "llama" and absent[0].why == "the model has no experts to split"
+
+
+def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
+    runs, _ = plan.plan(tree, [layouts.get("tp2"), layouts.get("tp2-sp")], checks.select(None), models=["llama"])
+    assert [r.id for r in runs] == ["llama-tp2-one-rank", "llama-tp2-upstream", "llama-tp2-sp-one-rank"]
+
+
+def test_optional_flags_come_where_the_era_has_them(tmp_path):
+    dp2 = layouts.get("dp2-distopt")
+    assert dp2.flags_for(_tree(tmp_path, ["--use-distributed-optimizer", "--overlap-grad-reduce"])) == [
+        "--use-distributed-optimizer", "--overlap-grad-reduce"]
+
+
+def test_node_commands_share_one_rendezvous_on_loopback():
+    first, second = torchrun.node_commands(torchrun.Ranks(1, nodes=2), ["-m", "x"], port=29999)
+    for rank, argv in enumerate((first, second)):
+        assert argv[argv.index("--node_rank") + 1] == str(rank)
+        assert argv[argv.index("--nnodes") + 1] == "2"
+        assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
+        assert argv[argv.index("--master_port") + 1] == "29999"
+        assert argv[-2:] == ["-m", "x"]
+    (single,) = torchrun.node_commands(torchrun.Ranks(2), ["-m", "x"], port=29999)
+    assert "--nnodes" not in single and single[single.index("--nproc_per_node") + 1] == "2"
+
+
+def _command(tree, **run):
+    sizes = example.Sizes(steps=5)
+    return pretrain.command(pretrain.Run(tree=tree, sizes=sizes, family="llama", **run), tree, port=29500)
+
+
+def test_a_layouts_flags_come_last_so_they_win_over_the_shrunk_one_rank_flags(tmp_path):
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
+    cmd = _command(tree, layout="two-nodes")
+    assert cmd.argv[cmd.argv.index("--nproc_per_node") + 1] == "1" and len(cmd.other_nodes) == 1
+    tp = [cmd.argv[i + 1] for i, t in enumerate(cmd.argv) if t == "--tensor-model-parallel-size"]
+    assert tp[-1] == "2" and "--sequence-parallel" in cmd.argv
+    assert any(note.startswith("layout two-nodes:") for note in cmd.notes)
+
+
+def test_checkpoint_flags_start_from_weights_only_in_the_distributed_format(tmp_path):
+    tree = _tree(tmp_path, ["--ckpt-format", *LLAMA_FLAGS])
+    saved = _command(tree, save="/ck").argv
+    assert saved[saved.index("--save") + 1] == "/ck" and saved[saved.index("--save-interval") + 1] == "5"
+    loaded = _command(tree, load="/ck").argv
+    for flag in ("--finetune", "--no-load-optim", "--no-load-rng"):
+        assert flag in loaded
+    assert loaded[loaded.index("--ckpt-format") + 1] == "torch_dist"
+
+
+def test_a_layout_that_needs_more_layers_gives_them_to_both_sides():
+    assert layouts.get("pp2-vpp").sizes(example.Sizes(layers=2)).layers == 4
+    assert Layout("x", "y", flags=("--a",)).sizes(example.Sizes(layers=2)).layers == 2
+
+
+def test_print_command_prints_every_nodes_launcher(tmp_path):
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
+    proc = subprocess.run([sys.executable, "-m", "megaport.train.pretrain", "--tree", tree, "--device", "cpu",
+                           "--model", "llama", "--layout", "two-nodes", "--print-command", "--workdir",
+                           str(tmp_path / "w")], capture_output=True, text=True, check=True)
+    assert proc.stdout.count("--node_rank") == 2 and proc.stdout.count("# node ") == 2
+
+
+@pytest.mark.fullclone
+@pytest.mark.parametrize("names", ["tp2,pp2,dp2-distopt,two-nodes"])
+def test_verify_trains_layouts_of_upstream_main_matching_one_rank(full_clone, tmp_path, names):
+    """Upstream main's newest commit, ported: each layout trains and matches one rank."""
+    from support.porting import port
+
+    tree = tmp_path / "tree"
+    code, _, output = port(full_clone, "main", tree)
+    assert code == 0, output
+    report = tmp_path / "verify.json"
+    proc = subprocess.run([sys.executable, "-m", "megaport", "verify", str(tree), "--device", "cpu", "--model",
+                           "llama", "--layouts", names, "--checks", "one-rank", "-k", "layouts", "--json",
+                           str(report)], capture_output=True, text=True, env={**os.environ}, timeout=3000)
+    document = json.loads(report.read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    trained = document["device"]["layouts"]["llama"]
+    assert sorted(trained) == sorted(names.split(","))
+    for layout, compared in trained.items():
+        assert not compared["one-rank"]["problems"], (layout, compared["one-rank"]["problems"])
