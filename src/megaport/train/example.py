@@ -15,7 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from megaport.train.tree_files import tree_says, tree_text
+from megaport.train.tree_files import first_file, tree_says, tree_text
 
 #: The example scripts, newest layout first; a tree that has one is read.
 EXAMPLE_SCRIPTS = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/pretrain_gpt.sh",
@@ -125,13 +125,13 @@ def flag_value(tokens: list, flag: str) -> str | None:
 
 
 def parser_has(tree: str, flag: str) -> bool:
-    """True when the tree's argument parser defines ``flag``: written out in its argument file, or
+    """True when the era's argument parser defines ``flag``: written out in its argument file, or
     (from core 0.16, whose parser also makes flags from config dataclass fields) among the options
-    of the tree's own parser."""
+    of the era's own parser. The era is the unported commit a ported tree records."""
     text = parser_text(tree)
     if f"'{flag}'" in text or f'"{flag}"' in text:
         return True
-    generated = os.path.isfile(os.path.join(tree, "megatron/training/argument_utils.py"))
+    generated = first_file(tree, "megatron/training/argument_utils.py") is not None
     return generated and flag in parser_help_flags(tree)
 
 
@@ -139,24 +139,43 @@ _HELP_CACHE: dict = {}
 
 
 def parser_help_flags(tree: str) -> frozenset:
-    """Every option of the tree's own parser, as it builds it (run once per tree, with the CPU
-    substitutions: the parser is built after the imports)."""
+    """Every option of the era's own parser, as it builds it (run once per tree, with the CPU
+    substitutions: the parser is built after the imports): the unported upstream commit's parser
+    where the tree records one (:mod:`megaport.train.tree_files`), exported once per process."""
     import json
     import subprocess
     import sys
 
+    from megaport.envpaths import with_paths_first
     from megaport.train.launch import OPTIONS
 
     if tree not in _HELP_CACHE:
-        from megaport.envpaths import with_paths_first
-
-        env = with_paths_first(None, tree)
+        folder = _unported_folder(tree)
         proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--list-options", "--cpu",
-                               "pretrain_gpt.py"], cwd=tree, env=env, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL)
+                               "pretrain_gpt.py"], cwd=folder, env=with_paths_first(None, folder),
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
         lines = [line[len(OPTIONS):] for line in proc.stdout.splitlines() if line.startswith(OPTIONS)]
         _HELP_CACHE[tree] = frozenset(json.loads(lines[0]) if lines else ())
     return _HELP_CACHE[tree]
+
+
+def _unported_folder(tree: str) -> str:
+    """The tree's unported upstream commit exported to a folder kept for this process (the tree
+    itself where it records none)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from megaport.git import export_commit
+    from megaport.train.tree_files import unported_commit
+
+    sha = unported_commit(tree)
+    if not sha:
+        return tree
+    folder = tempfile.mkdtemp(prefix="megaport-era-")
+    atexit.register(shutil.rmtree, folder, True)
+    export_commit(tree, sha, folder)
+    return folder
 
 
 def parser_text(tree: str) -> str:

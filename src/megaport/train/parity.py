@@ -8,13 +8,10 @@ gives the verdict verify, bench and the full-clone tests share). docs/verify.md#
 
 from __future__ import annotations
 
-import os
 import statistics
-from pathlib import Path
 
-from megaport.git import BlobReader
-from megaport.porttree import read_state
 from megaport.train import example
+from megaport.train.tree_files import tree_says
 from megaport.train.pretrain import GPU_SIZES, Run
 
 
@@ -82,26 +79,13 @@ def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False, family: st
     spec = registry.get(family)
     sizes, data = example.parity_data(GPU_SIZES if gpu else spec.sizes, tree)
     extra = ()
-    if mode == "ported" and _upstream_has(tree, *_SHARED_WGRAD_DROPPED):
+    if mode == "ported" and tree_says(tree, *_SHARED_WGRAD_DROPPED):
         extra = ((("--no-gradient-accumulation-fusion",),
                   "for loss parity: upstream's fused path of this era drops the shared word embedding's input-side "
                   "gradient, its unfused path keeps it"),)
     return Run(tree=tree, mode=mode, device="cuda" if gpu else "cpu", sizes=sizes, extra=extra,
                lr=example.parity_learning_rate(tree, spec.flags(tree)[0], spec.parity_learning_rate), data=data,
                initial_loss_scale=PARITY_LOSS_SCALE, dropout=0.0, family=family)
-
-
-def _upstream_has(tree: str, path: str, text: str) -> bool:
-    """Whether the unported upstream commit the tree records has ``text`` in ``path`` (the tree's own
-    file where it records no commit: a tree megaport did not port)."""
-    state = read_state(Path(tree))
-    sha = state.upstream_sha if state is not None else None
-    if sha is None:
-        full = os.path.join(tree, path)
-        return os.path.isfile(full) and text in open(full, encoding="utf-8", errors="replace").read()
-    with BlobReader(tree, sha) as commit:
-        data = commit.read(path)
-    return data is not None and text.encode() in data
 
 
 def parity_problems(parity: dict, logged: int) -> list:
