@@ -305,7 +305,7 @@ def _gloo(patch: Patch, torch) -> None:
 def _gloo_collectives(patch: Patch, torch) -> None:
     """MoE's token dispatchers call collectives gloo refuses and NCCL has: stand-ins built on gloo's own.
 
-    all_to_all_single with split sizes as CPU tensors (a GPU's reach it as numpy arrays), all_to_all
+    all_to_all_single with split sizes as CPU tensors (on a GPU they arrive as numpy arrays), all_to_all
     and all_gather lists of uneven shapes (see _collectives); gloo has uneven all_to_all_single,
     reduce_scatter_tensor and all_gather_into_tensor itself."""
     for name, function in _collectives(torch).items():
@@ -506,8 +506,8 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     "training": Profile(
-        rows=("gloo", "gloo-collectives", "device-queries", "current-device", "device-no-ops", "memory-counters", "tensor-cuda",
-              "legacy-constructors", "rng", "streams", "nvtx", "backward-placement"),
+        rows=("gloo", "gloo-collectives", "device-queries", "current-device", "device-no-ops", "memory-counters",
+              "tensor-cuda", "legacy-constructors", "rng", "streams", "nvtx", "backward-placement"),
         says=(
             "process group: backend nccl -> gloo, NCCL-only group options dropped",
             "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
