@@ -361,7 +361,9 @@ def _a2a_autograd(rank, splits) -> bool:
     """Under autograd, with the splits as tensors (as MoE's dispatcher has them on the CPU)."""
     out_sizes, in_sizes = torch.tensor([splits[s][rank] for s in range(WORLD)]), torch.tensor(splits[rank])
     x = torch.cat([_rows(rank, dest, splits[rank][dest], torch.float64) for dest in range(WORLD)]).requires_grad_()
-    weight = lambda owner, count: torch.arange(count * 2, dtype=torch.float64).reshape(count, 2) + 1000 * owner  # noqa: E731
+    def weight(owner, count):
+        return torch.arange(count * 2, dtype=torch.float64).reshape(count, 2) + 1000 * owner
+
     (_AllToAll.apply(x, out_sizes, in_sizes) * weight(rank, int(out_sizes.sum()))).sum().backward()
     # Rank r's output holds the rows from each source in order: the rows rank sent r are its weights there.
     want = []
@@ -467,6 +469,7 @@ def test_launch_substitutes_the_collectives_only_with_cpu(tmp_path, cpu):
                       "print('own:', torch.distributed.all_to_all_single.__module__.startswith('torch'))\n"
                       "sys.exit(5)\n")
     args = [sys.executable, "-m", "megaport.train.launch", *(["--cpu"] if cpu else []), str(script)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert f"own: {not cpu}" in proc.stdout
