@@ -284,3 +284,199 @@ def test_an_upstream_tree_keeps_torch_s_cuda_constructors(tmp_path):
     _, out = _import_fork_module(tmp_path, "import torch\n")
     assert "substituted: None" in out
     assert "cpu constructors: False" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# The collectives gloo refuses (MoE's token dispatchers): two gloo ranks against each definition.
+# ---------------------------------------------------------------------------------------------
+
+WORLD = 2
+#: SPLITS[s][r]: the rows rank s sends rank r (zero-size splits, to itself and to the other, included).
+SPLITS = {"uneven": [[1, 2], [3, 1]], "zero-to-self": [[0, 3], [2, 0]], "one-way": [[2, 0], [0, 0]],
+          "empty": [[0, 0], [0, 0]], "even": [[2, 2], [2, 2]]}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
+#: GATHERED[s]: the rows rank s contributes to all_gather.
+GATHERED = {"uneven": [1, 3], "one-empty": [2, 0], "even": [2, 2]}
+
+
+def _rows(source: int, dest: int, count: int, dtype) -> "torch.Tensor":
+    """The rows ``source`` sends ``dest``: each says where it comes from, exact in bf16."""
+    values = torch.tensor([100 * source + 10 * dest + i for i in range(count)], dtype=torch.float64)
+    return (values[:, None] * torch.tensor([1.0, -1.0], dtype=torch.float64)).to(dtype).reshape(count, 2)
+
+
+def _a2a_single(rank, splits, dtype, as_kind, async_op) -> bool:
+    dist = torch.distributed
+    send = torch.cat([_rows(rank, dest, splits[rank][dest], dtype) for dest in range(WORLD)])
+    want = torch.cat([_rows(source, rank, splits[source][rank], dtype) for source in range(WORLD)])
+    out_sizes, in_sizes = [splits[s][rank] for s in range(WORLD)], splits[rank]
+    kinds = {"list": list, "tensor": torch.tensor, "numpy": lambda sizes: torch.tensor(sizes).numpy()}
+    got = torch.full_like(want, 7)
+    work = dist.all_to_all_single(got, send, kinds[as_kind](out_sizes), kinds[as_kind](in_sizes), async_op=async_op)
+    if async_op:
+        work.wait()
+    return torch.equal(got, want)
+
+
+def _a2a_lists(rank, splits, dtype, async_op) -> bool:
+    send = [_rows(rank, dest, splits[rank][dest], dtype) for dest in range(WORLD)]
+    want = [_rows(source, rank, splits[source][rank], dtype) for source in range(WORLD)]
+    got = [torch.full_like(t, 7) for t in want]
+    work = torch.distributed.all_to_all(got, send, async_op=async_op)
+    if async_op:
+        work.wait()
+    return all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _gather_list(rank, counts, dtype) -> bool:
+    want = [_rows(source, 0, counts[source], dtype) for source in range(WORLD)]
+    got = [torch.full_like(t, 7) for t in want]
+    torch.distributed.all_gather(got, want[rank])
+    return all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _gloo_s_own(rank, name, dtype) -> bool:
+    """What gloo has itself (not substituted): reduce-scatter and all-gather into one tensor."""
+    dist = torch.distributed
+    per_rank = [_rows(source, 0, 2 * WORLD, dtype) for source in range(WORLD)]
+    if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+        got = torch.full((2, 2), 7, dtype=dtype)
+        getattr(dist, name)(got, per_rank[rank].clone())
+        return torch.equal(got, sum(t.double() for t in per_rank).to(dtype).chunk(WORLD)[rank])
+    got = torch.full((2 * WORLD, 2), 7, dtype=dtype)
+    getattr(dist, name)(got, per_rank[rank][:2].clone())
+    return torch.equal(got, torch.cat([t[:2] for t in per_rank]))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Megatron's tensor_parallel.mappings._AllToAll: backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_sizes, in_sizes):
+        ctx.sizes = (out_sizes, in_sizes)
+        out = x.new_empty([int(sum(out_sizes))] + list(x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_sizes, in_sizes = ctx.sizes
+        return _AllToAll.apply(grad, in_sizes, out_sizes), None, None
+
+
+def _a2a_autograd(rank, splits) -> bool:
+    """Under autograd, with the splits as tensors (as MoE's dispatcher has them on the CPU)."""
+    out_sizes, in_sizes = torch.tensor([splits[s][rank] for s in range(WORLD)]), torch.tensor(splits[rank])
+    x = torch.cat([_rows(rank, dest, splits[rank][dest], torch.float64) for dest in range(WORLD)]).requires_grad_()
+    def weight(owner, count):
+        return torch.arange(count * 2, dtype=torch.float64).reshape(count, 2) + 1000 * owner
+
+    (_AllToAll.apply(x, out_sizes, in_sizes) * weight(rank, int(out_sizes.sum()))).sum().backward()
+    # Rank r's output holds the rows from each source in order: the rows rank sent r are its weights there.
+    want = []
+    for dest in range(WORLD):
+        before = sum(splits[s][dest] for s in range(rank))
+        want.append(weight(dest, sum(splits[s][dest] for s in range(WORLD)))[before:before + splits[rank][dest]])
+    return torch.equal(x.grad, torch.cat(want))
+
+
+def _collective_cases() -> dict:
+    """name -> check(rank): each collective against its definition."""
+    cases = {}
+    for dname, dtype in DTYPES.items():
+        for sname, splits in SPLITS.items():
+            for kind in ("list", "tensor", "numpy"):
+                cases[f"all_to_all_single-{sname}-{dname}-{kind}"] = (
+                    lambda rank, s=splits, d=dtype, k=kind: _a2a_single(rank, s, d, k, False))
+            cases[f"all_to_all-{sname}-{dname}"] = lambda rank, s=splits, d=dtype: _a2a_lists(rank, s, d, False)
+        for gname, counts in GATHERED.items():
+            cases[f"all_gather-{gname}-{dname}"] = lambda rank, c=counts, d=dtype: _gather_list(rank, c, d)
+        for name in ("reduce_scatter_tensor", "_reduce_scatter_base", "all_gather_into_tensor", "_all_gather_base"):
+            cases[f"{name}-{dname}"] = lambda rank, n=name, d=dtype: _gloo_s_own(rank, n, d)
+    cases["all_to_all_single-uneven-async"] = lambda rank: _a2a_single(rank, SPLITS["uneven"], torch.float32,
+                                                                       "tensor", True)
+    cases["all_to_all-uneven-async"] = lambda rank: _a2a_lists(rank, SPLITS["uneven"], torch.float32, True)
+    for sname in ("uneven", "zero-to-self"):
+        cases[f"all_to_all_single-autograd-{sname}"] = lambda rank, s=SPLITS[sname]: _a2a_autograd(rank, s)
+    return cases
+
+
+def _collectives_rank(rank: int, port: int, out_dir: str, substituted: bool, names) -> None:
+    """One gloo rank: the cases ``names``, each outcome written to ``out_dir/rank.json`` ('ok', 'wrong' or
+    the error)."""
+    import json
+    import warnings
+
+    warnings.simplefilter("ignore")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=WORLD)
+    patch = cpu_substitutions.Patch()
+    if substituted:
+        cpu_substitutions.REGISTRY["gloo-collectives"](patch, torch)
+    outcomes = {}
+    cases = _collective_cases()
+    for name in names:
+        check = cases[name]
+        try:
+            outcomes[name] = "ok" if check(rank) else "wrong"
+        except Exception as exc:  # noqa: BLE001 - the outcome is the error, for the test to show
+            outcomes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    patch.undo()
+    torch.distributed.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(outcomes, handle)
+
+
+def _run_ranks(tmp_path, substituted: bool, names) -> list:
+    import json
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(_collectives_rank, args=(port, str(tmp_path), substituted, list(names)), nprocs=WORLD)
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+#: Without the row, gloo's answer: refused (by both ranks before any data moves), or its own.
+UNSUBSTITUTED = {"all_to_all_single-uneven-float32-tensor": False, "all_to_all-uneven-bfloat16": False,
+                 "all_gather-uneven-int64": False, "all_to_all_single-zero-to-self-bfloat16-list": True,
+                 "reduce_scatter_tensor-bfloat16": True, "all_gather_into_tensor-bfloat16": True}
+
+
+@pytest.fixture(scope="module")
+def substituted_outcomes(tmp_path_factory):
+    return _run_ranks(tmp_path_factory.mktemp("gloo-substituted"), True, sorted(_collective_cases()))
+
+
+@pytest.mark.parametrize("case", sorted(_collective_cases()))
+def test_each_collective_gives_its_definition_on_two_gloo_ranks(substituted_outcomes, case):
+    assert [outcomes[case] for outcomes in substituted_outcomes] == ["ok"] * WORLD
+
+
+def test_gloo_refuses_what_the_row_substitutes_and_has_the_rest(tmp_path):
+    """Split sizes as tensors and uneven lists are refused; uneven all_to_all_single (zero-size splits
+    too), reduce-scatter and all-gather into one tensor are gloo's own, so not substituted. (Only cases
+    both ranks refuse alike: one refused by one rank alone would leave the other waiting.)"""
+    outcomes = _run_ranks(tmp_path, False, UNSUBSTITUTED)
+    for case, own in UNSUBSTITUTED.items():
+        assert [o[case] == "ok" for o in outcomes] == [own] * WORLD, (case, [o[case] for o in outcomes])
+
+
+def test_the_collectives_row_is_the_cpu_training_run_s_only():
+    """A GPU run (launch without --cpu) installs no profile; the row is in no profile but training's."""
+    holding = {name for name, profile in cpu_substitutions.PROFILES.items() if "gloo-collectives" in profile.rows}
+    assert holding == {"training"}
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_launch_substitutes_the_collectives_only_with_cpu(tmp_path, cpu):
+    script = tmp_path / "pretrain_probe.py"
+    script.write_text("import sys, torch\n"
+                      "print('own:', torch.distributed.all_to_all_single.__module__.startswith('torch'))\n"
+                      "sys.exit(5)\n")
+    args = [sys.executable, "-m", "megaport.train.launch", *(["--cpu"] if cpu else []), str(script)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert f"own: {not cpu}" in proc.stdout

@@ -216,6 +216,65 @@ def _host_properties():
                                  multi_processor_count=os.cpu_count() or 1, gcnArchName="")
 
 
+class _Done:
+    """The work of a collective already done: what ``async_op=True`` callers wait on."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _ints(sizes):
+    """Split sizes as a list of ints: on a GPU upstream's MoE dispatcher moves its CUDA split tensors to
+    the host as numpy arrays (``maybe_move_tensor_to_cpu``); on the CPU they stay tensors, which torch's
+    binding refuses."""
+    return None if sizes is None else [int(size) for size in sizes]
+
+
+def _collectives(torch) -> dict:
+    """Stand-ins for what NCCL/RCCL do and gloo (torch 2.13) refuses, each by a collective gloo has: split
+    sizes given as tensors, and ``all_to_all``/``all_gather`` lists of uneven shapes. Even lists go to
+    torch's own."""
+    dist = torch.distributed
+    real_single, real_lists, real_gather = dist.all_to_all_single, dist.all_to_all, dist.all_gather
+    real_into = dist.all_gather_into_tensor
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        return real_single(output, input, _ints(output_split_sizes), _ints(input_split_sizes), group=group,
+                           async_op=async_op)
+
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        tensors = [*output_tensor_list, *input_tensor_list]
+        if all(t.shape == tensors[0].shape for t in tensors):
+            return real_lists(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        # Uneven: one all_to_all_single of the flattened tensors, split by their sizes.
+        send = torch.cat([t.reshape(-1) for t in input_tensor_list])
+        sizes = [t.numel() for t in output_tensor_list]
+        received = send.new_empty(sum(sizes))
+        real_single(received, send, sizes, [t.numel() for t in input_tensor_list], group=group)
+        for out, part in zip(output_tensor_list, received.split(sizes)):
+            out.copy_(part.view(out.shape))
+        return _Done() if async_op else None
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return real_gather(tensor_list, tensor, group=group, async_op=async_op)
+        # Uneven: every rank's tensor padded to the largest, gathered into one, cut back to each size.
+        most = max(t.numel() for t in tensor_list)
+        padded = tensor.new_zeros(most)
+        padded[:tensor.numel()] = tensor.reshape(-1)
+        gathered = tensor.new_empty(len(tensor_list) * most)
+        real_into(gathered, padded, group=group)
+        for out, part in zip(tensor_list, gathered.split(most)):
+            out.copy_(part[:out.numel()].view(out.shape))
+        return _Done() if async_op else None
+
+    return {"all_to_all_single": all_to_all_single, "all_to_all": all_to_all, "all_gather": all_gather}
+
+
 # ---------------------------------------------------------------------------------------------
 # The rows: torch.
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +302,17 @@ def _gloo(patch: Patch, torch) -> None:
     patch.set(dist, "init_process_group", init_process_group)
     patch.set(dist, "new_group", gloo_group)
     patch.set(dist.distributed_c10d, "new_group", gloo_group)
+
+
+@substitution("gloo-collectives")
+def _gloo_collectives(patch: Patch, torch) -> None:
+    """MoE's token dispatchers call collectives gloo refuses and NCCL has: stand-ins built on gloo's own.
+
+    all_to_all_single with split sizes as CPU tensors (on a GPU they arrive as numpy arrays), all_to_all
+    and all_gather lists of uneven shapes (see _collectives); gloo has uneven all_to_all_single,
+    reduce_scatter_tensor and all_gather_into_tensor itself."""
+    for name, function in _collectives(torch).items():
+        patch.set(torch.distributed, name, function)
 
 
 @substitution("device-queries")
@@ -439,10 +509,12 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     "training": Profile(
-        rows=("gloo", "device-queries", "current-device", "device-no-ops", "memory-counters", "tensor-cuda",
-              "legacy-constructors", "rng", "streams", "nvtx", "backward-placement"),
+        rows=("gloo", "gloo-collectives", "device-queries", "current-device", "device-no-ops", "memory-counters",
+              "tensor-cuda", "legacy-constructors", "rng", "streams", "nvtx", "backward-placement"),
         says=(
             "process group: backend nccl -> gloo, NCCL-only group options dropped",
+            "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
+            "all_to_all and all_gather lists, each done with gloo's own collectives",
             "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; "
             "current_device() -> 'cpu'; name 'CPU', capability (9, 4) (MI300X's, so upstream's capability checks "
             "pass as there), the host's memory",
