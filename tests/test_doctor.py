@@ -206,3 +206,18 @@ def test_this_machines_probe_runs_sdpa_on_the_cpu():
     info = devices.probe()
     if info.get("torch"):
         assert info["attention"]["cpu"]["flash"] is True, info["attention"]
+
+
+def test_a_run_across_nodes_names_the_interfaces_and_rdma_nics_rccl_and_gloo_need():
+    found = codes(MI300, {"MASTER_ADDR": "10.1.2.3"})
+    assert {"nccl-socket-ifname-unset", "gloo-socket-ifname-unset", "nccl-ib-hca-unset"} <= set(found)
+    assert "NCCL_IB_GID_INDEX=3" in found["nccl-ib-hca-unset"].fix
+    ready = {"MASTER_ADDR": "10.1.2.3", "NCCL_SOCKET_IFNAME": "ens50f0np0", "GLOO_SOCKET_IFNAME": "ens50f0np0",
+             "NCCL_IB_HCA": "rdma0:1,rdma1:1"}
+    assert codes(MI300, ready) == {}
+    assert codes(MI300, {**ready, "NCCL_SOCKET_IFNAME": "lo"})["nccl-socket-ifname-local"].level == "error"
+
+
+def test_one_node_on_loopback_needs_no_interfaces():
+    assert codes(MI300, {"MASTER_ADDR": "127.0.0.1"}) == {}
+    assert codes(MI300, {"MASTER_ADDR": "localhost"}) == {}

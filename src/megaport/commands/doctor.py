@@ -19,7 +19,8 @@ from megaport.report import write_json
 
 ENV_PREFIXES = ("HIP_", "ROCR_", "ROCM_", "HSA_", "NCCL_", "RCCL_", "TORCH_NCCL_", "GPU_MAX_HW_QUEUES")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_ROCM_ARCH",
-             "DS_ACCELERATOR", "DS_BUILD_OPS")
+             "DS_ACCELERATOR", "DS_BUILD_OPS", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK",
+             "GLOO_SOCKET_IFNAME")
 # AMD Instinct GPUs whose GPUs talk over xGMI links (MI200: gfx90a, MI300: gfx942, MI350: gfx950).
 XGMI_ARCHS = ("gfx90a", "gfx942", "gfx950")
 ROCM_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/rocm<X.Y> (the ROCm release you run)"
@@ -182,6 +183,41 @@ def check_rccl(m: Machine) -> list[Finding]:
         "unset NCCL_P2P_DISABLE (it is meant for PCIe GPUs without working peer-to-peer)")]
 
 
+#: interfaces that reach no other node: a multi-node rendezvous bound to them waits for ever
+_LOCAL_INTERFACES = ("lo", "docker0")
+
+
+def check_multi_node(m: Machine) -> list[Finding]:
+    """A run across nodes (MASTER_ADDR another machine's, as AMD's Megatron guide sets it for
+    NNODES > 1): RCCL and Megatron's gloo groups each pick a network interface of their own unless
+    told (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), and RCCL's RDMA needs its NICs named
+    (NCCL_IB_HCA; NCCL_IB_GID_INDEX=3 for RoCE v2, as the guide's rccl-tests run)."""
+    address = m.environ.get("MASTER_ADDR", "")
+    if not address or address in ("localhost", "::1") or address.startswith("127."):
+        return []
+    findings = []
+    for name, who in (("NCCL_SOCKET_IFNAME", "RCCL's bootstrap and socket transport"),
+                      ("GLOO_SOCKET_IFNAME", "torch's gloo groups (Megatron's CPU-side groups)")):
+        value = m.environ.get(name)
+        if value is None:
+            findings.append(Finding(
+                "warning", f"{name.lower().replace('_', '-')}-unset",
+                f"MASTER_ADDR={address} (a run across nodes) and {name} unset: {who} pick(s) an interface by "
+                "themselves, which may be one the other nodes cannot reach",
+                f"export {name}=<the interface the nodes reach each other on, e.g. ens50f0np0>"))
+        elif value.split(",")[0].lstrip("=^") in _LOCAL_INTERFACES:
+            findings.append(Finding("error", f"{name.lower().replace('_', '-')}-local",
+                                    f"{name}={value} with MASTER_ADDR={address}: that interface reaches no other node",
+                                    f"set {name} to the interface the nodes reach each other on"))
+    if m.rocm_context and not m.environ.get("NCCL_IB_HCA"):
+        findings.append(Finding(
+            "warning", "nccl-ib-hca-unset",
+            f"MASTER_ADDR={address} (a run across nodes) and NCCL_IB_HCA unset: RCCL uses every RDMA device it "
+            "finds, or falls back to TCP sockets where it finds none",
+            "export NCCL_IB_HCA=<your RDMA NICs, e.g. rdma0:1,rdma1:1,...> (and NCCL_IB_GID_INDEX=3 on RoCE v2)"))
+    return findings
+
+
 def check_rocr_runtime(m: Machine) -> list[Finding]:
     """ROCr settings (ROCR-Runtime environment variables): HSA_ENABLE_SDMA=0 disables the DMA
     engines for every copy, which then run as blit kernels on the compute units."""
@@ -252,6 +288,7 @@ CHECKS = (
     ("GPU arch", check_gpu_arch),
     ("visible devices", check_visibility),
     ("RCCL", check_rccl),
+    ("several nodes", check_multi_node),
     ("ROCr runtime", check_rocr_runtime),
     ("CUDA toolkit", check_cuda_toolkit),
     ("attention kernels", check_attention),
