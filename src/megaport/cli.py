@@ -394,9 +394,12 @@ def doctor(json_file):
 @click.option("--model", default="gpt", show_default=True, metavar="NAME",
               help="--train: the model family (gpt, bert, t5, llama, llama3, mixtral, deepseek), through its own "
                    "entry point with its example's flags.")
+@click.option("--layout", default="one-rank", show_default=True, metavar="NAME",
+              help="--train: how each side is spread over ranks (tp2, tp2-sp, pp2, dp2-distopt, cp2, ep2, ...: "
+                   "the layouts verify trains), both sides the same.")
 @handle_errors
 def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, attention, shapes, head_dim, groups,
-          dropout, fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry, model):
+          dropout, fusions, train, layers, hidden, heads, seq, batch, steps, warmup, rounds, entry, model, layout):
     """Time the tree's replacement softmax against upstream's torch fallback, or (--train)
     training against upstream with its fusions off.
 
@@ -438,10 +441,12 @@ def bench(tree, device, shape, dtypes, mask_kind, repeats, threads, json_file, a
                                _console(json_file))
     if train:
         from megaport.commands.bench_train import TrainBenchOptions, bench_train
+        from megaport.train.layouts import registry as layouts
 
         sizes = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, steps=steps, warmup=warmup)
         return bench_train(TrainBenchOptions(tree=tree, device=device, sizes=sizes, rounds=rounds,
-                                             json_file=json_file, entry=entry, model=model), _console(json_file))
+                                             json_file=json_file, entry=entry, model=model,
+                                             layout=layouts.get(layout).name), _console(json_file))
     from megaport.commands.bench import BenchOptions
     from megaport.commands.bench import bench as run_bench
 

@@ -44,6 +44,7 @@ class TrainBenchOptions:
     python: str | None = None
     entry: str = "auto"
     model: str = "gpt"  # the model family (megaport.train.families)
+    layout: str = "one-rank"  # how each side is spread over ranks (megaport.train.layouts)
 
 
 def bench_train(options: TrainBenchOptions, console) -> int:
@@ -53,7 +54,7 @@ def bench_train(options: TrainBenchOptions, console) -> int:
 
     if "," in options.model:
         raise MegaportError(f"--model {options.model}: bench --train times one family at a time", exit_code=2)
-    family = registry.select(str(tree), options.model)[0] if options.model != "gpt" else registry.get("gpt")
+    family = registry.select(str(tree), options.model)[0]
     missing = family.missing_packages(python)
     if missing:
         raise MegaportError(f"--model {family.name} needs {', '.join(missing)}, which is not "
@@ -69,7 +70,11 @@ def bench_train(options: TrainBenchOptions, console) -> int:
         raise MegaportError(f"--warmup {sizes['warmup']} leaves no timed step of --steps {sizes['steps']}",
                             exit_code=2)
     entry = _entry(options.entry, tree, family)
-    side = functools.partial(_pretrain_side, family=family.name) if entry == "pretrain" else _harness_side
+    if entry != "pretrain" and options.layout != "one-rank":
+        raise MegaportError(f"--layout {options.layout} needs the tree's own {family.entry_point}; the harness trains "
+                            "on one rank", exit_code=2)
+    side = (functools.partial(_pretrain_side, family=family.name, layout=options.layout) if entry == "pretrain"
+            else _harness_side)
     env = subprocess_env(tree)
     through = (f"the tree's own {family.entry_point} under torchrun ({family.name})" if entry == "pretrain"
                else ENTRIES[entry])
@@ -101,9 +106,9 @@ def _entry(requested: str, tree: Path, family=None) -> str:
     if family is None:
         from megaport.train.families import registry
 
-        family = registry.get("gpt")
+        family = next(f for f in registry.FAMILIES.values() if f.harness)
     has_script = family.has_entry_point(str(tree))
-    if family.name != "gpt" and requested == "harness":
+    if not family.harness and requested == "harness":
         raise MegaportError(f"--entry harness trains GPT only; --model {family.name} runs {family.entry_point}",
                             exit_code=2)
     if requested == "pretrain" and not has_script:
@@ -115,7 +120,7 @@ def _entry(requested: str, tree: Path, family=None) -> str:
 
 
 def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, device: str, *,
-                   family: str = "gpt") -> dict:
+                   family: str = "gpt", layout: str = "one-rank") -> dict:
     """One side through the family's entry point (the tree's pretrain_gpt.py for GPT): the ported
     tree with the example's flags, or the unported commit (exported next to it) with the fusions off."""
     from megaport.train import baseline, example, parity, pretrain
@@ -126,7 +131,7 @@ def _pretrain_side(tree: Path, sha: str, which: str, env: dict, sizes: dict, dev
     # fp16 examples: upstream's initial loss scale of 2**32 skips the first ~16 steps while it
     # settles, so a short run would log no loss to compare; parity's scale overflows in neither
     run = pretrain.Run(tree=str(tree), mode="ported" if which == "ported" else "fusions-off", device=device,
-                       sizes=shape, warmup=sizes["warmup"], family=family,
+                       sizes=shape, warmup=sizes["warmup"], family=family, layout=layout,
                        initial_loss_scale=parity.PARITY_LOSS_SCALE)
     if which == "ported":
         return {**pretrain.run_pretrain(run, env), "what": f"the ported tree's {entry}, the example's flags"}

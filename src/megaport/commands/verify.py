@@ -348,9 +348,12 @@ def _cpu_rows(document: dict, state: PortState):
 
 
 def _family_rows(document: dict, state: PortState):
-    """One row a model family, where the tree has any but GPT."""
+    """One row a model family, where the tree has any beyond the headline one (GPT, whose facts
+    have rows of their own)."""
+    from megaport.train.families import registry
+
     families = document["device"].get("families") or {}
-    if any(name != "gpt" for name in families):
+    if any(name not in registry.FAMILIES or not registry.FAMILIES[name].headline for name in families):
         for name, facts in families.items():
             yield f"family {name}", escape(family_row(facts))
 

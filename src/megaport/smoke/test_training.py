@@ -56,7 +56,7 @@ def _entry_point(smoke, family: str) -> str:
     spec = registry.get(family)
     if spec.has_entry_point(str(smoke.tree)):
         return spec.entry_point
-    if family == registry.gpt.FAMILY.name:
+    if spec.harness:
         return "harness"  # PyPI's megatron-core: no pretrain_gpt.py, upstream's builders in-process
     raise RuntimeError(f"the tree has no {spec.entry_point}")
 
@@ -125,7 +125,7 @@ def ported_run(smoke, family):
     training = {k: document[k] for k in keep if k in document}
     losses = [round(v, 4) for v in document["losses"]]
     facts.update(training=training, training_losses=losses, iterations=len(losses))
-    if family == registry.gpt.FAMILY.name:  # GPT's keys, as before families
+    if spec.headline:  # the top-level keys, as before families
         smoke.facts["training"] = training
         smoke.facts["training_losses"] = losses
         if any(v is not None for v in document.get("grad_norms") or ()):
@@ -169,7 +169,7 @@ def test_loss_matches_unported_upstream_with_fusions_off(smoke, family, ported_r
         pytest.fail(str(exc), pytrace=False)
     compared.update(against="unported upstream, fusions off", baseline_shims=shims)
     _facts(smoke, family)["loss_parity"] = compared
-    if family == registry.gpt.FAMILY.name:
+    if registry.get(family).headline:
         smoke.facts["loss_parity"] = compared
     problems = parity.parity_problems(compared, min(len(ported_run["losses"]), len(base["losses"])))
     compared["problems"] = problems

@@ -102,7 +102,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     from megaport.train.families import registry
 
     family = registry.get(run.family)
-    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine) if family.name == "gpt" else None
+    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine) if family.fork_example else None
     if fork is not None:
         tokens, notes = fork.tokens, list(fork.notes)
     else:

@@ -20,12 +20,21 @@ _COMMITS: dict = {}
 
 
 def unported_commit(tree: str) -> str:
-    """The unported upstream commit ``tree`` records ("" where it records none)."""
+    """The unported upstream commit ``tree`` records and its git holds ("" where it records none,
+    or the commit cannot be read: then the tree's files are all there is, as the smoke suite's
+    era decisions fall back to them)."""
     if tree not in _COMMITS:
+        from megaport.git import BlobReader, GitError
         from megaport.porttree import read_state
 
         state = read_state(Path(tree))
-        _COMMITS[tree] = (state.upstream_sha or "") if state is not None else ""
+        sha = (state.upstream_sha or "") if state is not None else ""
+        if sha:
+            try:
+                BlobReader(tree, sha).close()
+            except (GitError, OSError):
+                sha = ""
+        _COMMITS[tree] = sha
     return _COMMITS[tree]
 
 

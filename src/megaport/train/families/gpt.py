@@ -13,4 +13,7 @@ FAMILY = Family(
     # trees from PyPI's megatron-core have no pretrain_gpt.py: they train through the harness
     present=lambda tree: True,
     drop_unknown_flags=False,
+    fork_example=True,
+    harness=True,
+    headline=True,
 )

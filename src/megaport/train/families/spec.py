@@ -76,6 +76,15 @@ class Family:
     #: a DeepSpeed family's config for the run, written to the run's folder: (tree, workdir, run,
     #: notes) -> the flags that pass it; None: no DeepSpeed config of its own
     deepspeed_config: Callable | None = None
+    #: whether a Megatron-DeepSpeed tree takes this family's flags from the fork's own DeepSpeed
+    #: example (:mod:`megaport.train.deepspeed_example`) rather than from :attr:`scripts`
+    fork_example: bool = False
+    #: whether a tree without :attr:`entry_point` (PyPI's megatron-core) trains it through megaport's
+    #: harness on upstream's builders (:mod:`megaport.train.harness`)
+    harness: bool = False
+    #: whether its facts also go under the report's top-level keys (``training``, ``loss_parity``),
+    #: which predate families
+    headline: bool = False
 
     def flags(self, tree: str) -> tuple[list, str]:
         """The family's flags for ``tree`` and where they came from: the tree's script, else the
