@@ -89,10 +89,10 @@ def test_a_tree_without_a_fused_softmax_module_fails_the_kernel_tests(tmp_path):
 
 def test_a_name_missing_from_rocm_port_fails(tmp_path):
     """Was: need(rocm_port, "FusedAdam") skipped 'not in this era'; rocm_port is the same in every era."""
-    apex = "megatron/core/rocm_port/apex_substitutes.py"
-    without = PORT[apex].replace("FusedAdam = _apex_optimizer(torch.optim.AdamW)\n", "")
-    assert without != PORT[apex]
-    tree = fake_port(tmp_path, BASE, {**PORT, apex: without})
+    init = "megatron/core/rocm_port/__init__.py"  # the package no longer re-exports it
+    without = PORT[init].replace("    FusedAdam,\n", "", 1)
+    assert without != PORT[init]
+    tree = fake_port(tmp_path, BASE, {**PORT, init: without})
     tests = outcomes(run_smoke(tree, "fused_adam or fused_sgd or every_name"))
     adam = tests["test_rocm_port_fused_adam_is_adamw"]
     assert adam["outcome"] == "failed" and "same in every era" in adam["message"], adam
