@@ -14,12 +14,12 @@ from megaport.cli import main
 from megaport.portpatches import port_patches
 from megaport.regenerate import regenerate_ports
 
-PORT = '[[port]]\nname = "old"\nreplacement = "megatron/rocm_port.py"\nfully_masked_rows = "uniform"\n'
+PORT = '[[port]]\nname = "old"\nreplacement = "megatron/rocm_port"\nfully_masked_rows = "uniform"\n'
 SERIES = '[[series]]\nname = "demo"\nera = "E1"\nport = "old"\ntested = [{ ref = "v1", sha = "%s" }]\n' % ("a" * 40)
 
 
 def make(root: Path, *, ports: str = PORT, series: str = SERIES, listing: str | None = None) -> Path:
-    """One series taking port variant 'old' (its module moved to megatron/, uniform rows)."""
+    """One series taking port variant 'old' (its package moved to megatron/, uniform rows)."""
     (root / "demo").mkdir(parents=True)
     (root / "demo" / "0003-change-two.patch").write_text(patch_text())
     (root / "catalogue.toml").write_text(f"format = 1\n\n{ports}\n{series}")
@@ -37,7 +37,7 @@ def shared_lines(root: Path) -> list[str]:
 def test_a_series_takes_its_variants_fields_and_shared_patches(tmp_path):
     root = make(tmp_path / "cat")
     series = load_catalogue(root).get("demo")
-    assert (series.port, series.replacement, series.fully_masked_rows) == ("old", "megatron/rocm_port.py", "uniform")
+    assert (series.port, series.replacement, series.fully_masked_rows) == ("old", "megatron/rocm_port", "uniform")
     assert [p.port for p in series.patches] == ["base", "old", None]
     assert series.patches[0].path == root / PORT_DIR / "base" / series.patches[0].name
     result = lint("--patches", str(root))

@@ -30,30 +30,35 @@ def commit_message(patch: bytes) -> str:
 
 
 def format_patch_of(variant: PortVariant, repo: Path) -> list[tuple[str, bytes]]:
-    """Make the commits by hand (add the base module; move it and set its constants) and let git
+    """Make the commits by hand (add the base package; move it and set its constants) and let git
     write them as patches."""
     ours = port_patches(variant)
     git(repo, "init", "-q")
     git(repo, "commit", "-q", "--allow-empty", "-m", "upstream")
-    (repo / BASE.replacement).parent.mkdir(parents=True)
-    (repo / BASE.replacement).write_bytes(module(BASE))
+    write(repo, module(BASE))
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", commit_message(ours[0].data))
     if len(ours) > 1:
         if variant.replacement != BASE.replacement:
             (repo / variant.replacement).parent.mkdir(parents=True, exist_ok=True)
             git(repo, "mv", BASE.replacement, variant.replacement)
-        (repo / variant.replacement).write_bytes(module(variant))
+        write(repo, module(variant))
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "-m", commit_message(ours[1].data))
     git(repo, *FORMAT_PATCH, "-o", "out", f"HEAD~{len(ours)}")
     return [(p.name, p.read_bytes()) for p in sorted((repo / "out").iterdir())]
 
 
+def write(repo: Path, files: dict[str, bytes]) -> None:
+    for path, content in files.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_bytes(content)
+
+
 VARIANTS = [
     PortVariant(f"{Path(path).parent.name}-{rows}-{'guarded' if guarded else 'unguarded'}", Path(), path, rows, guarded)
     for path, rows, guarded in itertools.product(
-        ("megatron/core/rocm_port.py", "megatron/rocm_port.py"), ("zero", "uniform"), (True, False))
+        ("megatron/core/rocm_port", "megatron/rocm_port"), ("zero", "uniform"), (True, False))
 ]
 
 

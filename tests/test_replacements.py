@@ -1,6 +1,6 @@
-"""Tests for the code megaport injects into upstream trees (megatron/core/rocm_port.py).
+"""Tests for the code megaport injects into upstream trees (the package megatron/core/rocm_port).
 
-The module is loaded from its source file under a unique name, the way upstream will
+The package is loaded from its source folder under a unique name, the way upstream will
 import it, and checked against references written here independently: plain fp64
 math for the softmax kernels, torch.nn.LayerNorm for layer norm, and hand-computed
 tables for get_batch_per_block.
@@ -14,7 +14,6 @@ import importlib.util
 import inspect
 import math
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -25,28 +24,16 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import megaport.replacements as replacements  # noqa: E402
+from support.port import SOURCE  # noqa: E402
+from support.port import load as _load  # noqa: E402
 from support.upstream_shapes import HF_WRAPPER_2025  # noqa: E402
 
-SOURCE = Path(replacements.__file__).with_name("rocm_port.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SCALES = [1.0, 0.125]
 # Largest error allowed, relative to the largest magnitude of the reference: the
 # kernels' own tests use 1e-3 for fp16; bf16 has 8 significant bits, so one rounding
 # of the output is already 2e-3 of an element.
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3, torch.float64: 1e-12}
-
-
-def _load(text: str | None, tmp_dir: Path | None = None):
-    """Import the module (or a rendered text of it) under a fresh name."""
-    name = f"_rocm_port_under_test_{uuid.uuid4().hex}"
-    path = SOURCE
-    if text is not None:
-        path = tmp_dir / f"{name}.py"
-        path.write_text(text, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +45,9 @@ def rp():
 
 @pytest.fixture(scope="module")
 def rp_old(rp, tmp_path_factory):
-    """The module rendered for eras before fully masked rows became zeros."""
-    text = replacements.render(fully_masked_rows_are_zero=False)
-    module = _load(text, tmp_path_factory.mktemp("rendered"))
+    """The package rendered for eras before fully masked rows became zeros."""
+    files = replacements.render(fully_masked_rows_are_zero=False)
+    module = _load(files, tmp_path_factory.mktemp("rendered"))
     yield module
     module.uninstall_import_blocker()
 
@@ -376,10 +363,10 @@ def test_cpu_blocking_does_not_change_results(rp, monkeypatch, dtype, block):
             results += [y.detach(), xr.grad]
         return results
 
-    monkeypatch.setattr(rp, "_CPU_BLOCK_ELEMENTS", 10**9)
+    monkeypatch.setattr(rp.softmax, "_CPU_BLOCK_ELEMENTS", 10**9)
     whole = everything()
-    monkeypatch.setattr(rp, "_CPU_BLOCK_ELEMENTS", block)
-    monkeypatch.setattr(rp, "_block_elements", lambda device, numel: block)
+    monkeypatch.setattr(rp.softmax, "_CPU_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(rp.softmax, "_block_elements", lambda device, numel: block)
     for a, b in zip(whole, everything()):
         assert torch.equal(a, b)
 
@@ -390,7 +377,7 @@ def test_fallback_without_inplace_kernels(rp, monkeypatch):
     x = torch.randn(2, 3, 5, 7).bfloat16()
     mask = random_mask((2, 1, 5, 7))
     fast = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x, mask, 0.125)
-    monkeypatch.setattr(rp, "_inplace_kernels_ok", lambda device: False)
+    monkeypatch.setattr(rp.softmax, "_inplace_kernels_ok", lambda device: False)
     torch.manual_seed(10)
     x2 = torch.randn(2, 3, 5, 7).bfloat16()
     slow = run_forward_backward(rp.ScaledMaskedSoftmax.apply, x2, mask, 0.125)
@@ -400,7 +387,7 @@ def test_fallback_without_inplace_kernels(rp, monkeypatch):
 
 
 def test_inplace_kernels_are_used_on_this_torch(rp):
-    assert rp._inplace_kernels_ok(torch.device("cpu")) is True
+    assert rp.softmax._inplace_kernels_ok(torch.device("cpu")) is True
 
 
 def test_rejects_integer_input(rp):
@@ -517,13 +504,13 @@ def test_blocked_imports(rp, fake_packages, name):
     with pytest.raises(ModuleNotFoundError) as info:
         importlib.import_module(name)
     assert "disabled by the ROCm port" in str(info.value)
-    assert "megatron/core/rocm_port.py" in str(info.value)
+    assert "(megatron/core/rocm_port)" in str(info.value)
     # A submodule's import stops at its (blocked) parent package.
     assert info.value.name == name.partition(".")[0]
 
 
 def test_blocker_refuses_submodules_itself(rp):
-    finder = next(f for f in sys.meta_path if getattr(f, rp._BLOCKER_MARK, False))
+    finder = next(f for f in sys.meta_path if getattr(f, rp.blocker._BLOCKER_MARK, False))
     with pytest.raises(ModuleNotFoundError, match="apex.normalization.fused_layer_norm"):
         finder.find_spec("apex.normalization.fused_layer_norm", None)
     assert finder.find_spec("apexx", None) is None
@@ -562,10 +549,10 @@ def test_blocker_is_what_stops_the_fake_apex(rp, fake_packages):
 
 def test_blocker_install_is_idempotent(rp):
     def count():
-        return sum(1 for f in sys.meta_path if getattr(f, rp._BLOCKER_MARK, False))
+        return sum(1 for f in sys.meta_path if getattr(f, rp.blocker._BLOCKER_MARK, False))
 
     assert count() == 1
-    assert getattr(sys.meta_path[0], rp._BLOCKER_MARK, False)
+    assert getattr(sys.meta_path[0], rp.blocker._BLOCKER_MARK, False)
     rp.install_import_blocker()
     rp.install_import_blocker()
     assert count() == 1
@@ -578,26 +565,29 @@ def test_blocked_modules_loaded(rp, monkeypatch):
     assert rp.blocked_modules_loaded() == ["apex.contrib", "fused_layer_norm_cuda"]
 
 
-def test_module_imports_only_torch_and_the_standard_library():
-    """At import time (megatron.core is still initialising then): torch and the standard library.
-    The tree's own megatron package may only be imported lazily, inside a function, and so may NumPy
-    (only to restore the names NumPy 2 removed, where it is installed)."""
-    tree = ast.parse(SOURCE.read_text(encoding="utf-8"))
+@pytest.mark.parametrize("file", replacements.module_files())
+def test_module_imports_only_torch_and_the_standard_library(file):
+    """At import time (megatron.core is still initialising then): torch, the standard library and the
+    package's own modules, relatively (so it works at megatron/rocm_port too). The tree's own megatron
+    package may only be imported lazily, inside a function, and so may NumPy (only to restore the
+    names NumPy 2 removed, where it is installed)."""
+    tree = ast.parse(replacements.source_text(file))
     roots = set()
     lazy = {id(node) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) for node in ast.walk(fn)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name.partition(".")[0] for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0
+            if node.level:
+                assert node.level == 1 and id(node) not in lazy, f"{file}: from {'.' * node.level}{node.module}"
+                continue
             names = [node.module.partition(".")[0]]
         else:
             continue
         if id(node) in lazy and names in (["megatron"], ["numpy"]):
             continue
         roots.update(names)
-    assert "torch" in roots
-    assert roots - {"torch"} <= set(sys.stdlib_module_names), roots
+    assert roots <= {"torch"} | set(sys.stdlib_module_names), roots
 
 
 # ----------------------------------------------------------------------------------
@@ -768,23 +758,39 @@ def test_rank0_log_without_a_version(rp, monkeypatch, capsys):
 
 
 def test_source_and_render():
-    text = replacements.source_text()
-    assert text == SOURCE.read_text(encoding="utf-8")
-    assert replacements.TREE_PATH == "megatron/core/rocm_port.py"
-    assert text.splitlines().count("FULLY_MASKED_ROWS_ARE_ZERO = True") == 1
-    assert replacements.render(fully_masked_rows_are_zero=True) == text
+    files = replacements.module_files()
+    assert files[0] == "__init__.py" and "era.py" in files and files == sorted(files)
+    texts = replacements.sources()
+    assert texts == {f: (SOURCE / f).read_text(encoding="utf-8") for f in files}
+    assert replacements.TREE_PATH == "megatron/core/rocm_port"
+    # the era constants live in era.py alone
+    assert [f for f, text in texts.items() if "FULLY_MASKED_ROWS_ARE_ZERO = True" in text.splitlines()] == ["era.py"]
+    assert replacements.render(fully_masked_rows_are_zero=True) == {f"megatron/core/rocm_port/{f}": texts[f] for f in files}
     old = replacements.render(fully_masked_rows_are_zero=False)
-    diff = [(a, b) for a, b in zip(text.splitlines(), old.splitlines()) if a != b]
-    assert diff == [("FULLY_MASKED_ROWS_ARE_ZERO = True", "FULLY_MASKED_ROWS_ARE_ZERO = False")]
-    assert len(old) == len(text) + 1
+    changed = {path: [(a, b) for a, b in zip(texts[path.rpartition("/")[2]].splitlines(), text.splitlines()) if a != b]
+               for path, text in old.items() if text != texts[path.rpartition("/")[2]]}
+    assert changed == {"megatron/core/rocm_port/era.py": [("FULLY_MASKED_ROWS_ARE_ZERO = True",
+                                                           "FULLY_MASKED_ROWS_ARE_ZERO = False")]}
+    moved = replacements.render(fully_masked_rows_are_zero=True, tree_path="megatron/rocm_port")
+    assert all(path.startswith("megatron/rocm_port/") for path in moved)
+    assert "(megatron/rocm_port)" in moved["megatron/rocm_port/blocker.py"]
+    assert not any("megatron/core/rocm_port" in text for text in moved.values())
+
+
+def test_port_constant_reads_the_one_module_that_defines_it():
+    assert replacements.port_constant("_BLOCKED_EXACT") == ("apex", "amp_C")
+    assert replacements.port_constant("FULLY_MASKED_ROWS_ARE_ZERO") is True
+    with pytest.raises(KeyError):
+        replacements.port_constant("NO_SUCH_CONSTANT")
 
 
 @pytest.mark.parametrize(
-    "text", ["x = 1\n", "FULLY_MASKED_ROWS_ARE_ZERO = True\nFULLY_MASKED_ROWS_ARE_ZERO = True\n",
-             "FULLY_MASKED_ROWS_ARE_ZERO = True  # comment\n"]
+    "texts", [{"era.py": "x = 1\n"},
+              {"era.py": "FULLY_MASKED_ROWS_ARE_ZERO = True\n", "softmax.py": "FULLY_MASKED_ROWS_ARE_ZERO = True\n"},
+              {"era.py": "FULLY_MASKED_ROWS_ARE_ZERO = True  # comment\n"}]
 )
-def test_render_needs_the_line_exactly_once(monkeypatch, text):
-    monkeypatch.setattr(replacements, "source_text", lambda: text)
+def test_render_needs_the_line_exactly_once_in_the_package(monkeypatch, texts):
+    monkeypatch.setattr(replacements, "sources", lambda: texts)
     with pytest.raises(ValueError, match="exactly once"):
         replacements.render(fully_masked_rows_are_zero=False)
 
@@ -794,6 +800,28 @@ def test_public_names(rp):
         assert hasattr(rp, name), name
     assert "megaport" in rp.__doc__ and "Do not edit" in rp.__doc__
     assert len(set(rp.__all__)) == len(rp.__all__)
+    # every public name a module defines is the package's too (upstream imports them from it)
+    for file in replacements.module_files()[1:]:
+        module = getattr(rp, file[:-3])
+        for node in ast.parse(replacements.source_text(file)).body:
+            targets = [node] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+                node.targets if isinstance(node, ast.Assign) else []
+            for name in (getattr(target, "name", None) or getattr(target, "id", None) for target in targets):
+                if name and not name.startswith("_"):
+                    assert getattr(rp, name, None) is getattr(module, name), f"{file}: {name}"
+
+
+def test_the_packages_state_is_one(rp):
+    """Message set, compile cache, blocker mark: defined in one module each, the others share it."""
+    for name, home in (("_SAID", "say"), ("_COMPILED", "softmax"), ("_BLOCKER_MARK", "blocker"),
+                       ("_TE_ATTENTION_SERVED", "attention"), ("AFTER_IMPORT_TABLES", "hooks")):
+        owners = [file for file in replacements.module_files()
+                  if any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+                         for node in ast.parse(replacements.source_text(file)).body)]
+        assert owners == [f"{home}.py"], (name, owners)
+    rp.say._SAID.discard("shared")
+    rp.te_features.say_once("shared")
+    assert "shared" in rp.say._SAID and rp.softmax.say_once is rp.say_once
 
 
 # --- apex stand-ins the older eras' series point at ---------------------------------------------
@@ -860,7 +888,7 @@ def test_rope_fusion_is_switched_off_with_one_line(rp, capsys):
     class Config:
         apply_rope_fusion = True
 
-    rp._SAID.clear()
+    rp.say._SAID.clear()
     config = Config()
     assert rp.switch_off_rope_fusion(config) is True and config.apply_rope_fusion is False
     rp.switch_off_rope_fusion(Config())
@@ -879,54 +907,54 @@ def _specs():
 
 
 def test_te_spec_builds_the_local_spec_without_transformer_engine(rp, monkeypatch, capsys):
-    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
-    rp._SAID.clear()
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)
+    rp.say._SAID.clear()
     spec = rp.local_spec_without_transformer_engine(*_specs())
     assert spec(4, qk_layernorm=True) == ("local", 4, True)  # positional and named, by name
     assert spec(fp8="hybrid") == ("local", None, False)  # upstream's deprecated, unused argument
     assert "builds Megatron's local PyTorch layers" in capsys.readouterr().out
     with pytest.raises(ValueError, match="use_te_op_fuser need"):
         spec(use_te_op_fuser=True)
-    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: True)
     assert spec(4) == ("te", 4, False)
 
 
 def test_te_layers_stand_in_serves_only_unguarded_eras(rp, tmp_path):
     assert rp.TRANSFORMER_ENGINE_IMPORTS_GUARDED is True
-    assert not any(isinstance(f, rp._TransformerEngineLayersStandIn) for f in sys.meta_path)
-    text = replacements.render(fully_masked_rows_are_zero=True, transformer_engine_imports_guarded=False)
-    old = _load(text, tmp_path)
+    assert not any(isinstance(f, rp.te_absent._TransformerEngineLayersStandIn) for f in sys.meta_path)
+    files = replacements.render(fully_masked_rows_are_zero=True, transformer_engine_imports_guarded=False)
+    old = _load(files, tmp_path)
     try:
-        finders = [f for f in sys.meta_path if isinstance(f, old._TransformerEngineLayersStandIn)]
+        finders = [f for f in sys.meta_path if isinstance(f, old.te_absent._TransformerEngineLayersStandIn)]
         assert len(finders) == 1
-        spec = finders[0].find_spec(old._TE_LAYERS_MODULE)
+        spec = finders[0].find_spec(old.te_absent._TE_LAYERS_MODULE)
         assert (spec is not None) == (importlib.util.find_spec("transformer_engine") is None)
         assert finders[0].find_spec("megatron.core.transformer.attention") is None
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, old._TransformerEngineLayersStandIn)]
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, old.te_absent._TransformerEngineLayersStandIn)]
         old.uninstall_import_blocker()
 
 
 def test_te_layers_stand_in_names(rp):
-    assert rp._te_layers_attribute("SplitAlongDim") is None
-    assert rp._te_layers_attribute("get_cpu_offload_context") is None
-    layer = rp._te_layers_attribute("TEDotProductAttention")
+    assert rp.te_absent._te_layers_attribute("SplitAlongDim") is None
+    assert rp.te_absent._te_layers_attribute("get_cpu_offload_context") is None
+    layer = rp.te_absent._te_layers_attribute("TEDotProductAttention")
     with pytest.raises(RuntimeError, match="TEDotProductAttention needs TransformerEngine"):
         layer()
     with pytest.raises(RuntimeError, match="te_helper needs TransformerEngine"):
-        rp._te_layers_attribute("te_helper")()
+        rp.te_absent._te_layers_attribute("te_helper")()
     with pytest.raises(AttributeError):
-        rp._te_layers_attribute("__path__")
+        rp.te_absent._te_layers_attribute("__path__")
 
 
 # -- the compiled softmax (one kernel per pass where Triton is available) ---------------------
 @pytest.fixture
 def compiled(rp, monkeypatch):
     """rocm_port with compiling forced on (inductor writes C++ on a CPU), fresh caches."""
-    monkeypatch.setenv(rp._COMPILE_ENV, "1")
-    monkeypatch.setattr(rp, "_COMPILED", {})
+    monkeypatch.setenv(rp.softmax._COMPILE_ENV, "1")
+    monkeypatch.setattr(rp.softmax, "_COMPILED", {})
     torch._dynamo.reset()  # compiled code is cached per function: no earlier test's counts
-    monkeypatch.setattr(rp, "_SAID", set())
+    monkeypatch.setattr(rp.say, "_SAID", set())
     return rp
 
 
@@ -952,8 +980,8 @@ def test_compiled_softmax_matches_the_references_forward_and_backward(compiled, 
             assert torch.equal(y.float().triu(1), torch.zeros_like(y.float()))
         if "mask" in ref_kwargs:
             assert torch.equal(y[1, :, 4], torch.zeros_like(y[1, :, 4]))
-    assert {key[0] for key in rp._COMPILED} == {"forward", "backward"} and len(rp._COMPILED) == 6
-    assert all(fn is not None for fn in rp._COMPILED.values())
+    assert {key[0] for key in rp.softmax._COMPILED} == {"forward", "backward"} and len(rp.softmax._COMPILED) == 6
+    assert all(fn is not None for fn in rp.softmax._COMPILED.values())
     assert capsys.readouterr().out.count("> ROCm port: fused softmax: each pass compiled") == 1
 
 
@@ -962,7 +990,7 @@ def test_compiled_and_eager_paths_agree(compiled, monkeypatch):
     x = torch.randn(2, 4, 16, 16).bfloat16()
     torch.manual_seed(12)  # the same gradient for both
     fast = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.125)
-    monkeypatch.setenv(rp._COMPILE_ENV, "0")
+    monkeypatch.setenv(rp.softmax._COMPILE_ENV, "0")
     torch.manual_seed(12)
     eager = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.125)
     assert torch.equal(fast[0], eager[0])
@@ -975,27 +1003,27 @@ def test_a_compile_failure_falls_back_to_the_eager_path_with_one_line(compiled, 
     def broken(*args, **kwargs):
         raise RuntimeError("no working Triton here\nsecond line")
 
-    monkeypatch.setattr(rp.torch, "compile", broken)
+    monkeypatch.setattr(torch, "compile", broken)
     torch.manual_seed(13)
     x = torch.randn(2, 3, 5, 5)
     y, g, gx = run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.5)
     run_forward_backward(rp.ScaledUpperTriangMaskedSoftmax.apply, x, 0.5)  # not tried again
     assert_close(y, ref_softmax(x, 0.5, causal=True), torch.float32, "forward")
-    assert rp._COMPILED == {("forward", torch.float32, True, True, False): None, ("backward", torch.float32): None}
+    assert rp.softmax._COMPILED == {("forward", torch.float32, True, True, False): None, ("backward", torch.float32): None}
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "compiling failed" in ln]
     assert lines == ["> ROCm port: fused softmax: compiling failed (RuntimeError: no working Triton here); "
                      "the eager PyTorch path runs instead"]
 
 
 def test_compiling_is_chosen_for_gpus_with_triton_only(rp, monkeypatch):
-    monkeypatch.delenv(rp._COMPILE_ENV, raising=False)
-    monkeypatch.setattr(rp, "_triton_available", lambda: True)
-    assert rp._compile_wanted(torch.device("cuda", 0)) and not rp._compile_wanted(torch.device("cpu"))
-    monkeypatch.setattr(rp, "_triton_available", lambda: False)
-    assert not rp._compile_wanted(torch.device("cuda", 0))
-    monkeypatch.setenv(rp._COMPILE_ENV, "0")
-    monkeypatch.setattr(rp, "_triton_available", lambda: True)
-    assert not rp._compile_wanted(torch.device("cuda", 0))
+    monkeypatch.delenv(rp.softmax._COMPILE_ENV, raising=False)
+    monkeypatch.setattr(rp.softmax, "_triton_available", lambda: True)
+    assert rp.softmax._compile_wanted(torch.device("cuda", 0)) and not rp.softmax._compile_wanted(torch.device("cpu"))
+    monkeypatch.setattr(rp.softmax, "_triton_available", lambda: False)
+    assert not rp.softmax._compile_wanted(torch.device("cuda", 0))
+    monkeypatch.setenv(rp.softmax._COMPILE_ENV, "0")
+    monkeypatch.setattr(rp.softmax, "_triton_available", lambda: True)
+    assert not rp.softmax._compile_wanted(torch.device("cuda", 0))
 
 
 def test_compiled_softmax_stores_nothing_input_sized_but_its_result(compiled):
@@ -1012,10 +1040,10 @@ def test_compiled_softmax_stores_nothing_input_sized_but_its_result(compiled):
         x = torch.randn(1, 4, 64, sk).bfloat16()
         y = torch.softmax(x.float(), -1).bfloat16()
         passes.update({
-            f"causal forward, sk {sk}": (rp._softmax_forward_body, (x, None, 0.125, float("-inf"), True, False)),
-            f"masked forward, sk {sk}": (rp._softmax_forward_body,
+            f"causal forward, sk {sk}": (rp.softmax._softmax_forward_body, (x, None, 0.125, float("-inf"), True, False)),
+            f"masked forward, sk {sk}": (rp.softmax._softmax_forward_body,
                                          (x, random_mask((1, 1, 64, sk)), 0.3, rp.MASKED_VALUE, False, True)),
-            f"backward, sk {sk}": (rp._softmax_backward_body, (torch.randn_like(x), y, 0.3)),
+            f"backward, sk {sk}": (rp.softmax._softmax_backward_body, (torch.randn_like(x), y, 0.3)),
         })
     for what, (body, args) in passes.items():
         x = args[0]
@@ -1035,14 +1063,14 @@ def test_no_compile_starts_inside_a_cuda_graph_capture(compiled, monkeypatch):
     """Compiling while a CUDA graph is captured would fail: such a call runs eager, and the
     compiled path is taken by the first call outside a capture."""
     rp = compiled
-    monkeypatch.setattr(rp, "_capturing", lambda device: True)
+    monkeypatch.setattr(rp.softmax, "_capturing", lambda device: True)
     x = torch.randn(2, 3, 4, 4)
     y, g, gx = run_forward_backward(rp.ScaledSoftmax.apply, x, 0.5)
-    assert rp._COMPILED == {}
+    assert rp.softmax._COMPILED == {}
     assert_close(y, ref_softmax(x, 0.5), torch.float32, "forward")
-    monkeypatch.setattr(rp, "_capturing", lambda device: False)
+    monkeypatch.setattr(rp.softmax, "_capturing", lambda device: False)
     run_forward_backward(rp.ScaledSoftmax.apply, x, 0.5)
-    assert len(rp._COMPILED) == 2 and all(fn is not None for fn in rp._COMPILED.values())
+    assert len(rp.softmax._COMPILED) == 2 and all(fn is not None for fn in rp.softmax._COMPILED.values())
 
 
 def _tiny_megatron(root: Path, files: dict) -> None:
@@ -1091,7 +1119,7 @@ def test_t5s_sentinel_tokens_survive_todays_transformers(rp, tiny_megatron):
 
 def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, monkeypatch):
     """Without TE and apex, clip_grads' local fallbacks (bf16 norms in bf16) give way to the port's."""
-    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)
     tiny_megatron({
         "megatron/core/utils.py": "def local_multi_tensor_applier(op, flag, lists, *args):\n    return 'local'\n"
                                   "local_multi_tensor_l2_norm = local_multi_tensor_scale = local_multi_tensor_applier\n",
@@ -1111,8 +1139,8 @@ def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, 
 
 def test_rope_fusion_is_switched_off_before_upstreams_checks(rp, tiny_megatron, monkeypatch, capsys):
     """core 0.8 on: TransformerConfig raises when apply_rope_fusion (on by default) finds no fused kernel."""
-    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
-    rp._SAID.clear()
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)
+    rp.say._SAID.clear()
     tiny_megatron({"megatron/core/transformer/transformer_config.py": (
         "from dataclasses import dataclass\n\n\n@dataclass\nclass TransformerConfig:\n"
         "    apply_rope_fusion: bool = True\n\n    def __post_init__(self):\n"
@@ -1131,16 +1159,16 @@ def test_a_module_takes_every_after_import_step_of_both_tables_in_order(rp, tmp_
     (package / "layer.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     ran = []
-    monkeypatch.setitem(rp._AFTER_IMPORT_DEEPSPEED, "after_import_pkg.layer", lambda m: ran.append(("always", m.VALUE)))
-    monkeypatch.setitem(rp._AFTER_IMPORT_WITHOUT_TE, "after_import_pkg.layer",
+    monkeypatch.setitem(rp.hooks._AFTER_IMPORT_DEEPSPEED, "after_import_pkg.layer", lambda m: ran.append(("always", m.VALUE)))
+    monkeypatch.setitem(rp.hooks._AFTER_IMPORT_WITHOUT_TE, "after_import_pkg.layer",
                         (lambda m: ran.append(("no TE 1", m.VALUE)), lambda m: ran.append(("no TE 2", m.VALUE))))
-    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: False)
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)
     for name in ("after_import_pkg.layer", "after_import_pkg"):
         sys.modules.pop(name, None)
     importlib.import_module("after_import_pkg.layer")
     assert ran == [("always", 1), ("no TE 1", 1), ("no TE 2", 1)]
-    monkeypatch.setattr(rp, "_transformer_engine_installed", lambda: True)
-    assert rp.after_import_steps("after_import_pkg.layer") == (rp._AFTER_IMPORT_DEEPSPEED["after_import_pkg.layer"],)
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: True)
+    assert rp.after_import_steps("after_import_pkg.layer") == (rp.hooks._AFTER_IMPORT_DEEPSPEED["after_import_pkg.layer"],)
     sys.modules.pop("after_import_pkg.layer", None)
 
 

@@ -18,9 +18,6 @@ fallback is checked to be taken when the fast API is missing.
 
 from __future__ import annotations
 
-import importlib.util
-import uuid
-from pathlib import Path
 
 import pytest
 
@@ -30,18 +27,14 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import megaport.replacements as replacements  # noqa: E402
+from support.port import load  # noqa: E402
 
-SOURCE = Path(replacements.__file__).with_name("rocm_port.py")
 aten = torch.ops.aten
 
 
 @pytest.fixture(scope="module")
 def rp():
-    name = f"_rocm_port_gpu_paths_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, SOURCE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load(prefix="_rocm_port_gpu_paths")
     yield module
     module.uninstall_import_blocker()
 
@@ -49,7 +42,7 @@ def rp():
 @pytest.fixture
 def gpu_blocking(rp, monkeypatch):
     """The workspace blocking a GPU uses, on CPU tensors."""
-    monkeypatch.setattr(rp, "_block_elements", lambda device, numel: rp._gpu_block_elements(numel))
+    monkeypatch.setattr(rp.softmax, "_block_elements", lambda device, numel: rp.softmax._gpu_block_elements(numel))
 
 
 class LiveBytes(TorchDispatchMode):
@@ -154,7 +147,7 @@ def test_memory_tally_sees_a_full_size_fp32_copy(rp):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_softmax_input_dtype_path_matches_the_fp32_path(rp, monkeypatch, which, scale, dtype):
     """Power-of-two scales run in the input dtype; the fp32 workspace path is the reference."""
-    assert rp._exact_in_input_dtype(dtype, scale)
+    assert rp.softmax._exact_in_input_dtype(dtype, scale)
     gen = torch.Generator().manual_seed(2)
     x = (3 * torch.randn(2, 4, 16, 16, generator=gen)).to(dtype)
     g = torch.randn(2, 4, 16, 16, generator=gen).to(dtype)
@@ -166,7 +159,7 @@ def test_softmax_input_dtype_path_matches_the_fp32_path(rp, monkeypatch, which, 
         return y.detach().reshape(x.shape), xr.grad
 
     fast_y, fast_dx = run()
-    monkeypatch.setattr(rp, "_exact_in_input_dtype", lambda dtype, scale: False)
+    monkeypatch.setattr(rp.softmax, "_exact_in_input_dtype", lambda dtype, scale: False)
     ref_y, ref_dx = run()
     assert torch.equal(fast_y, ref_y), "forward differs from the fp32 path"
     # The backward is one rounding of the same fp32 result, but summed in another order.
@@ -178,8 +171,8 @@ def test_softmax_input_dtype_path_matches_the_fp32_path(rp, monkeypatch, which, 
 def test_bf16_padding_mask_keeps_the_literal_mask_value(rp):
     """bf16 cannot hold -10000.0 (it rounds to -9984.0): masked softmax then works in fp32, so
     unmasked logits at -9984.0 still outweigh the masked elements, as in the kernel."""
-    assert not rp._holds_exactly(torch.bfloat16, rp.MASKED_VALUE)
-    assert rp._holds_exactly(torch.float16, rp.MASKED_VALUE)
+    assert not rp.softmax._holds_exactly(torch.bfloat16, rp.MASKED_VALUE)
+    assert rp.softmax._holds_exactly(torch.float16, rp.MASKED_VALUE)
     x = torch.full((1, 1, 2, 4), -19968.0, dtype=torch.bfloat16)
     mask = torch.zeros(1, 1, 2, 4, dtype=torch.bool)
     mask[..., 0] = True
@@ -192,8 +185,8 @@ def test_bf16_padding_mask_keeps_the_literal_mask_value(rp):
 @pytest.mark.parametrize("scale,exact", [(1.0, True), (0.5, True), (0.125, True), (0.3, False),
                                          (2.0, False), (0.0884, False), (-0.5, False)])
 def test_only_exact_scales_stay_in_the_input_dtype(rp, scale, exact):
-    assert rp._exact_in_input_dtype(torch.bfloat16, scale) is exact
-    assert rp._exact_in_input_dtype(torch.float32, scale) is True
+    assert rp.softmax._exact_in_input_dtype(torch.bfloat16, scale) is exact
+    assert rp.softmax._exact_in_input_dtype(torch.float32, scale) is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +275,7 @@ def _fp32_operand_copies(log, operand_numels):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_wgrad_gpu_path_uses_the_mixed_dtype_gemm_without_fp32_copies(rp, monkeypatch, dtype):
-    monkeypatch.setattr(rp, "_addmm_out_dtype_ok", lambda device: True)
+    monkeypatch.setattr(rp.apex_substitutes, "_addmm_out_dtype_ok", lambda device: True)
     gen = torch.Generator().manual_seed(6)
     x = torch.randint(-4, 5, (3, 10, 24), generator=gen).to(dtype)
     g = torch.randint(-4, 5, (3, 10, 16), generator=gen).to(dtype)
@@ -299,7 +292,7 @@ def test_wgrad_gpu_path_uses_the_mixed_dtype_gemm_without_fp32_copies(rp, monkey
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_wgrad_fallback_without_the_mixed_dtype_gemm(rp, dtype):
     """This CPU lacks aten::addmm.dtype: the product is formed in the operands' dtype and added."""
-    assert rp._addmm_out_dtype_ok(torch.device("cpu")) is False
+    assert rp.apex_substitutes._addmm_out_dtype_ok(torch.device("cpu")) is False
     gen = torch.Generator().manual_seed(7)
     x = torch.randint(-4, 5, (2, 8, 12), generator=gen).to(dtype)
     g = torch.randint(-4, 5, (2, 8, 6), generator=gen).to(dtype)
@@ -332,7 +325,7 @@ def _adam_run(rp, **kwargs):
 def test_fused_adam_takes_the_fused_step_and_matches_the_loop(rp, monkeypatch):
     fused_opt, fused = _adam_run(rp)
     assert fused_opt.defaults["fused"] is True
-    monkeypatch.setattr(rp, "_fused_supported", lambda params: False)
+    monkeypatch.setattr(rp.apex_substitutes, "_fused_supported", lambda params: False)
     loop_opt, loop = _adam_run(rp)
     assert not loop_opt.defaults.get("fused")
     for a, b in zip(fused, loop):

@@ -9,18 +9,14 @@ attention shaped like upstream's (what runs, what falls back, what the log says)
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import uuid
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import megaport.replacements as replacements  # noqa: E402
+from support.port import load  # noqa: E402
 
-SOURCE = Path(replacements.__file__).with_name("rocm_port.py")
 # relative to the reference's largest magnitude; bf16 rounds the inputs and the output once each
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 LAYOUTS = {  # (heads, groups, qk head dim, v head dim)
@@ -34,9 +30,7 @@ LAYOUTS = {  # (heads, groups, qk head dim, v head dim)
 
 @pytest.fixture(scope="module")
 def rp():
-    spec = importlib.util.spec_from_file_location(f"_rocm_port_sdpa_{uuid.uuid4().hex}", SOURCE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load(prefix="_rocm_port_sdpa")
     yield module
     module.uninstall_import_blocker()
 
@@ -97,7 +91,7 @@ KERNELS = {"sdpa": 24, "blockwise": 40}
 @pytest.mark.parametrize("kind", ["causal", "padding", "padding-uniform-rows", "none"])
 def test_sdpa_matches_fp64_reference_forward_and_backward(rp, request, monkeypatch, kind, layout, dtype, kernel):
     if kernel == "blockwise":
-        monkeypatch.setattr(rp, "blockwise_wanted", lambda *args: True)
+        monkeypatch.setattr(rp.attention, "blockwise_wanted", lambda *args: True)
         request.getfixturevalue("small_blocks")
     rows = KERNELS[kernel]
     q, k, v = inputs(layout, dtype, sq=rows, sk=rows)
@@ -212,10 +206,10 @@ def _core_class():
 
 @pytest.fixture
 def routed(rp, monkeypatch, capsys):
-    rp._SAID.clear()
-    rp._SDPA_SAID.clear()
+    rp.say._SAID.clear()
+    rp.attention._SDPA_SAID.clear()
     cls = _core_class()
-    rp._route_core_attention_through_sdpa(cls, ("query", "key", "value", "attention_mask"))
+    rp.attention._route_core_attention_through_sdpa(cls, ("query", "key", "value", "attention_mask"))
     return cls
 
 
@@ -309,7 +303,7 @@ def test_flash_attn_varlen_stand_in_takes_dropout_blockwise_on_the_cpu(rp, monke
     """--use-flash-attn's dropout on the CPU: the blockwise kernel, not SDPA's math kernel."""
     calls = []
     blockwise = rp.blockwise_attention
-    monkeypatch.setattr(rp, "blockwise_attention", lambda *a, **k: calls.append(k["dropout_p"]) or blockwise(*a, **k))
+    monkeypatch.setattr(rp.attention, "blockwise_attention", lambda *a, **k: calls.append(k["dropout_p"]) or blockwise(*a, **k))
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(48, 4, 16, generator=g) for _ in range(3))
     cu = torch.tensor([0, 24, 48], dtype=torch.int32)
@@ -364,7 +358,7 @@ def test_padding_attention_dropout_on_the_cpu_keeps_the_softmax_path_and_says_wh
 @pytest.fixture
 def small_blocks(rp, monkeypatch):
     """Blocks of 16 query rows, so every test crosses block and causal-diagonal boundaries."""
-    monkeypatch.setattr(rp, "_BLOCK_ELEMENTS", 16)
+    monkeypatch.setattr(rp.attention, "_BLOCK_ELEMENTS", 16)
 
 
 @pytest.mark.parametrize("causal, groups", [(True, 2), (False, 2), (True, 1)])
@@ -403,11 +397,11 @@ def test_blockwise_dropout_draws_from_the_current_generator_and_keeps_the_expect
 def test_te_attention_asked_for_runs_sdpa_even_with_the_softmax_fusion_off(rp, routed, monkeypatch, capsys):
     """Upstream's Mixtral script passes --no-masked-softmax-fusion beside TE's layers: what it asks
     for is TE's fused attention, which the port serves through SDPA where it built the local spec."""
-    monkeypatch.setattr(rp, "_TE_ATTENTION_SERVED", True)
+    monkeypatch.setattr(rp.attention, "_TE_ATTENTION_SERVED", True)
     core = routed(_Softmax(fusion=False))
     q, k, v = inputs("gqa", torch.bfloat16)
     core(q, k, v, None)
     assert routed.calls == 0, "the local spec served for TE's ran upstream's unfused attention"
-    monkeypatch.setattr(rp, "_TE_ATTENTION_SERVED", False)
+    monkeypatch.setattr(rp.attention, "_TE_ATTENTION_SERVED", False)
     core(q, k, v, None)
     assert routed.calls == 1 and "--no-masked-softmax-fusion" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """What the port serves so Llama 3, Mixtral and DeepSeek-V2 train without TE or apex
-(rocm_port.py's norms, grouped GEMM, FP8 switch-off, TE names), checked against references
+(the rocm_port package's norms, grouped GEMM, FP8 switch-off, TE names), checked against references
 written here: fp64 formulas for RMSNorm/LayerNorm with and without zero-centered gamma, a
 per-expert loop in fp64 for grouped GEMM. The tests that need upstream's own classes (MLA's
 core attention) are in test_serve_models_fullclone.py."""
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_replacements import _load  # noqa: E402
+from support.port import load as _load  # noqa: E402
 
 
 def _after_import(rp, module) -> None:
@@ -108,9 +108,9 @@ def test_norm_gradients_match_autograd_of_the_formula(rp):
 def test_compiled_norm_keeps_the_formula_forward_and_backward(rp, monkeypatch, capsys, dtype):
     """Where compiling is on (a GPU with Triton; forced here: inductor writes C++ on a CPU), the
     port's norm runs as compiled kernels, forward and backward, with the eager path's values."""
-    monkeypatch.setenv(rp._COMPILE_ENV, "1")
-    monkeypatch.setattr(rp, "_COMPILED", {})
-    monkeypatch.setattr(rp, "_SAID", set())
+    monkeypatch.setenv(rp.softmax._COMPILE_ENV, "1")
+    monkeypatch.setattr(rp.softmax, "_COMPILED", {})
+    monkeypatch.setattr(rp.say, "_SAID", set())
     torch._dynamo.reset()
     torch.manual_seed(3)
     for normalization in ("RMSNorm", "LayerNorm"):
@@ -125,34 +125,34 @@ def test_compiled_norm_keeps_the_formula_forward_and_backward(rp, monkeypatch, c
         grads = [x.grad.clone()] + [p.grad.clone() for p in norm.parameters()]
         x.grad = None
         norm.zero_grad(set_to_none=True)
-        monkeypatch.setenv(rp._COMPILE_ENV, "0")
+        monkeypatch.setenv(rp.softmax._COMPILE_ENV, "0")
         eager = norm(x)
         eager.backward(g)
-        monkeypatch.setenv(rp._COMPILE_ENV, "1")
+        monkeypatch.setenv(rp.softmax._COMPILE_ENV, "1")
         tol = TOL[dtype] * 4
         assert compiled.dtype == dtype
         assert (compiled.double() - eager.double()).abs().max().item() <= tol * eager.double().abs().max().item()
         for got, want in zip(grads, [x.grad] + [p.grad for p in norm.parameters()]):
             assert (got.double() - want.double()).abs().max().item() <= tol * want.double().abs().max().item()
-    assert sorted(key[2] for key in rp._COMPILED) == ["LayerNorm", "RMSNorm"]
-    assert all(fn is not None for fn in rp._COMPILED.values())
+    assert sorted(key[2] for key in rp.softmax._COMPILED) == ["LayerNorm", "RMSNorm"]
+    assert all(fn is not None for fn in rp.softmax._COMPILED.values())
     assert capsys.readouterr().out.count("> ROCm port: norm: each pass compiled into one kernel") == 1
 
 
 def test_norm_compile_failure_runs_the_eager_norm_with_one_line(rp, monkeypatch, capsys):
-    monkeypatch.setenv(rp._COMPILE_ENV, "1")
-    monkeypatch.setattr(rp, "_COMPILED", {})
-    monkeypatch.setattr(rp, "_SAID", set())
+    monkeypatch.setenv(rp.softmax._COMPILE_ENV, "1")
+    monkeypatch.setattr(rp.softmax, "_COMPILED", {})
+    monkeypatch.setattr(rp.say, "_SAID", set())
 
     def broken(*args, **kwargs):
         raise RuntimeError("no working Triton here")
 
-    monkeypatch.setattr(rp.torch, "compile", broken)
+    monkeypatch.setattr(torch, "compile", broken)
     norm = rp.Norm(_config("RMSNorm"), 8, eps=1e-6)
     x = torch.randn(3, 8)
     assert torch.allclose(norm(x).double(), ref_rms_norm(x, norm.weight, 1e-6), rtol=1e-5, atol=1e-6)
     norm(x)  # not tried again
-    assert list(rp._COMPILED.values()) == [None]
+    assert list(rp.softmax._COMPILED.values()) == [None]
     assert capsys.readouterr().out.count("> ROCm port: norm: compiling failed (RuntimeError: no working Triton") == 1
 
 
@@ -177,7 +177,7 @@ def _upstream_like_fused_layer_norm():
 
 def test_apex_layer_norm_builds_the_port_norm_for_rms_norm_only(rp):
     module = types.SimpleNamespace(FusedLayerNorm=_upstream_like_fused_layer_norm())
-    rp._serve_rms_norm_in_fused_layer_norm(module)
+    rp.te_features._serve_rms_norm_in_fused_layer_norm(module)
     rms = module.FusedLayerNorm(config=_config("RMSNorm"), hidden_size=8, eps=1e-6)
     assert isinstance(rms, rp.Norm) and rms.normalization == "RMSNorm" and rms.eps == 1e-6
     layer = module.FusedLayerNorm(_config("LayerNorm"), 8)
@@ -192,7 +192,7 @@ def test_torch_norm_builds_the_port_norm_for_zero_centered_gamma(rp):
             return torch.nn.RMSNorm(hidden_size, eps=eps)
 
     module = types.SimpleNamespace(WrappedTorchNorm=WrappedTorchNorm)
-    rp._serve_zero_centered_gamma_in_torch_norm(module)
+    rp.te_features._serve_zero_centered_gamma_in_torch_norm(module)
     centered = module.WrappedTorchNorm(config=_config("RMSNorm", True, persist_layer_norm=False,
                                                       memory_efficient_layer_norm=False), hidden_size=8)
     assert isinstance(centered, rp.Norm) and centered.zero_centered_gamma
@@ -215,7 +215,7 @@ def test_torch_layer_norm_of_core_09_takes_persist_on_and_builds_rms_norm(rp, ca
             super().__init__(hidden_size, eps=eps)
 
     module = types.SimpleNamespace(WrappedTorchLayerNorm=WrappedTorchLayerNorm)
-    rp._serve_zero_centered_gamma_in_torch_norm(module)
+    rp.te_features._serve_zero_centered_gamma_in_torch_norm(module)
     plain = module.WrappedTorchLayerNorm(_config("LayerNorm", False, persist_layer_norm=True), 8)
     assert type(plain) is WrappedTorchLayerNorm
     assert "persist_layer_norm" in capsys.readouterr().out
@@ -273,10 +273,10 @@ def test_grouped_gemm_rejects_sizes_that_do_not_split_the_rows(rp):
 
 def test_grouped_gemm_util_gets_the_port_gmm_only_without_the_package(rp, capsys):
     missing = types.SimpleNamespace(grouped_gemm=None, ops=None)
-    rp._serve_grouped_gemm(missing)
+    rp.te_features._serve_grouped_gemm(missing)
     assert missing.grouped_gemm is rp.grouped_gemm and missing.ops is rp.grouped_gemm.ops
     installed = types.SimpleNamespace(grouped_gemm=object(), ops="theirs")
-    rp._serve_grouped_gemm(installed)
+    rp.te_features._serve_grouped_gemm(installed)
     assert installed.ops == "theirs"
     assert capsys.readouterr().out == ""  # said when it first runs, not at import
     rp.grouped_gemm.ops.gmm(torch.zeros(1, 2), torch.zeros(1, 2, 3), [1])
@@ -288,7 +288,7 @@ def test_fp8_is_switched_off_with_one_line_before_validation(rp, capsys, monkeyp
     monkeypatch.setenv("RANK", "0")
     seen = []
     module = types.SimpleNamespace(validate_args=lambda args, defaults={}: seen.append((args.fp8, args.fp8_param_gather)))
-    rp._fp8_off_before_validation(module)
+    rp.te_features._fp8_off_before_validation(module)
     for _ in range(2):
         args = types.SimpleNamespace(fp8="hybrid", fp8_recipe="delayed", fp8_param_gather=True, bf16=True, fp16=False)
         module.validate_args(args, {})

@@ -65,13 +65,14 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
 
 
 def test_no_shim_reads_imports_or_copies_the_port():
-    """Written apart from rocm_port.py: nothing in the shims names the port's module."""
+    """Written apart from the port: nothing in the shims names the port's package."""
     for path in Path(registry.__file__).parent.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         imported += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
         assert not [m for m in imported if "replacements" in m or "rocm_port" in m], path
-        assert "rocm_port.py" not in path.read_text(encoding="utf-8") or path.name == "audit.py", path
+        text = path.read_text(encoding="utf-8")
+        assert not any(f"rocm_port{end}" in text for end in (".py", "/")) or path.name == "audit.py", path
 
 
 def _missing(module: str) -> str:
@@ -688,15 +689,27 @@ def test_the_baseline_loads_nothing_of_the_port(tmp_path):
     assert loaded == [], loaded
 
 
-def test_the_audit_sees_the_port_when_a_process_loads_it(tmp_path):
-    """The proof above can fail: a process that imports the port's module is reported."""
+@pytest.mark.parametrize("folder, module", [
+    ("rocm_port", "rocm_port"),  # the package
+    ("megatron/core/rocm_port", "megatron.core.rocm_port.softmax"),  # one of its modules, as a tree has it
+    ("renamed", "renamed.attention"),  # one of its modules, the package under another name: by its marks
+])
+def test_the_audit_sees_the_port_when_a_process_loads_it(tmp_path, folder, module):
+    """The proof above can fail: a process that imports any part of the port is reported, the module
+    it asked for and the finders the package installed."""
     from megaport.replacements import render
 
-    (tmp_path / "rocm_port.py").write_text(render(fully_masked_rows_are_zero=True))
-    code = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport rocm_port\nprint('loaded')"
+    for path, text in render(fully_masked_rows_are_zero=True, tree_path=folder).items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    for package in ("megatron", "megatron/core"):
+        if (tmp_path / package).is_dir():
+            (tmp_path / package / "__init__.py").write_text("")
+    code = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport {module}\nprint('loaded')"
     _, loaded = _run_baseline_process(code, [], tmp_path)
-    assert "module rocm_port" in loaded
-    assert any(entry.startswith("finder rocm_port.") for entry in loaded), loaded
+    package = folder.replace("/", ".")
+    assert {f"module {package}", f"module {module}"} <= set(loaded), loaded
+    assert {f"finder {package}.blocker._ImportBlocker", f"finder {package}.hooks._ServeAfterImport"} <= set(loaded), loaded
 
 
 _APEX_VALUES = """
@@ -729,11 +742,11 @@ print(json.dumps({
 
 
 def test_a_planted_fault_in_the_ports_standins_never_reaches_the_baseline(tmp_path):
-    """megaport's own copy of rocm_port.py given wrong layer norm, grad norm, scaling and Adam: the
-    baseline's apex still computes torch's values (its shims share no code with the port)."""
+    """megaport's own copy of the port's apex substitutes given wrong layer norm, grad norm, scaling
+    and Adam: the baseline's apex still computes torch's values (its shims share no code with the port)."""
     copy = tmp_path / "src"
     shutil.copytree(SRC / "megaport", copy / "megaport", ignore=shutil.ignore_patterns("__pycache__"))
-    port = copy / "megaport" / "replacements" / "rocm_port.py"
+    port = copy / "megaport" / "replacements" / "rocm_port" / "apex_substitutes.py"
     text = port.read_text(encoding="utf-8")
     faults = {"    return out, mean.reshape(flat), rstd.reshape(flat)": "    return out * 3, mean.reshape(flat), "
                                                                        "rstd.reshape(flat)",

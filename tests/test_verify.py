@@ -125,7 +125,7 @@ def plant_apex_import(tree: Path) -> None:
 
 
 def plant_backward_without_scale(tree: Path) -> None:
-    path = tree / "megatron/core/rocm_port.py"
+    path = tree / "megatron/core/rocm_port/softmax.py"
     text = path.read_text()
     # Both backward paths: the fp32 workspace one and the one in the input dtype.
     new = text.replace("torch.mul(gb, scale, out=work)", "work.copy_(gb)").replace(
@@ -135,7 +135,7 @@ def plant_backward_without_scale(tree: Path) -> None:
 
 
 def plant_inf_masking(tree: Path) -> None:
-    path = tree / "megatron/core/rocm_port.py"
+    path = tree / "megatron/core/rocm_port/softmax.py"
     text = path.read_text()
     assert "MASKED_VALUE = -10000.0" in text
     path.write_text(text.replace("MASKED_VALUE = -10000.0", 'MASKED_VALUE = float("-inf")'))

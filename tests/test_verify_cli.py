@@ -34,7 +34,7 @@ def fake_tree(root: Path, series: str = "core-0.13-0.16") -> Path:
     state = PortState(upstream_url="file:///upstream", upstream_ref="core_v0.16.1", upstream_sha="a" * 40,
                       series=series, branch=f"megaport/{series}", head="b" * 40,
                       patches=[PatchRecord(name="0001-x.patch", sha256="0" * 64, status="applied", commit="c" * 40)],
-                      files=["megatron/core/rocm_port.py"])
+                      files=["megatron/core/rocm_port/__init__.py"])
     (tree / ".git" / STATE_FILE).write_text(state.to_json())
     return tree
 

@@ -2,7 +2,7 @@
 
 Small fake ported trees: a git repository whose first commit stands for the unported upstream
 commit and whose second is the "port", with .git/megaport/state.json recording both, as
-``megaport apply`` writes them. The port's rocm_port.py is megaport's own source. The smoke suite
+``megaport apply`` writes them. The port's package is megaport's own source. The smoke suite
 runs on them through the command ``megaport verify`` builds; each test names the old behaviour it
 guards against.
 """
@@ -19,16 +19,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import megaport
+from megaport.replacements import render
 from megaport.cli import main
 from megaport.commands import verify as verify_mod
 from megaport.porttree import STATE_FILE, PatchRecord, PortState, subprocess_env
 from megaport.smoke import _era, _fork, _launch, _verdicts
 from support.gitrepos import commit, git, make_repo
 
-PORT_SOURCE = (Path(megaport.__file__).parent / "replacements" / "rocm_port.py").read_text(encoding="utf-8")
 BASE = {"megatron/__init__.py": "", "megatron/core/__init__.py": ""}
-PORT = {"megatron/core/rocm_port.py": PORT_SOURCE}
+PORT = render(fully_masked_rows_are_zero=True)  # the package's files, as a tree has them
 # A dependency no machine has, imported the way the fork's tokenizer imports transformers.
 MISSING = "megaport_test_package_nobody_installs"
 
@@ -90,9 +89,10 @@ def test_a_tree_without_a_fused_softmax_module_fails_the_kernel_tests(tmp_path):
 
 def test_a_name_missing_from_rocm_port_fails(tmp_path):
     """Was: need(rocm_port, "FusedAdam") skipped 'not in this era'; rocm_port is the same in every era."""
-    without = PORT_SOURCE.replace("FusedAdam = _apex_optimizer(torch.optim.AdamW)\n", "")
-    assert without != PORT_SOURCE
-    tree = fake_port(tmp_path, BASE, {"megatron/core/rocm_port.py": without})
+    init = "megatron/core/rocm_port/__init__.py"  # the package no longer re-exports it
+    without = PORT[init].replace("    FusedAdam,\n", "", 1)
+    assert without != PORT[init]
+    tree = fake_port(tmp_path, BASE, {**PORT, init: without})
     tests = outcomes(run_smoke(tree, "fused_adam or fused_sgd or every_name"))
     adam = tests["test_rocm_port_fused_adam_is_adamw"]
     assert adam["outcome"] == "failed" and "same in every era" in adam["message"], adam
@@ -313,7 +313,7 @@ def test_era_name_asks_upstream_before_skipping(tmp_path):
 
 
 def test_cuda_only_is_no_excuse_for_the_ports_own_code(tmp_path):
-    """Was: a 'Torch not compiled with CUDA enabled' raised in rocm_port.py skipped on a CPU."""
+    """Was: a 'Torch not compiled with CUDA enabled' raised in the port's code skipped on a CPU."""
     tree = tmp_path / "tree"
 
     def raised_in(rel: str) -> BaseException:
@@ -327,7 +327,7 @@ def test_cuda_only_is_no_excuse_for_the_ports_own_code(tmp_path):
         raise AssertionError("did not raise")
 
     assert _verdicts.cuda_only_reason(raised_in("megatron/core/clip_grads.py"), tree)
-    assert _verdicts.cuda_only_reason(raised_in("megatron/core/rocm_port.py"), tree) is None
+    assert _verdicts.cuda_only_reason(raised_in("megatron/core/rocm_port/softmax.py"), tree) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def test_a_missing_upstream_package_says_one_line_everywhere(tmp_path):
         **TP,
         LAYERS: "from megatron import global_vars\n",
     }
-    tree = fake_port(tmp_path, fork, PORT, files=["megatron/core/rocm_port.py", "megatron/global_vars.py"])
+    tree = fake_port(tmp_path, fork, PORT, files=["megatron/core/rocm_port/__init__.py", "megatron/global_vars.py"])
     document = run_smoke(tree, "fused_layer_norm_module or touched_module or tp2")
     tests = outcomes(document)
     line = (f"needs {MISSING}, an upstream dependency not installed here "

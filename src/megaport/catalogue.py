@@ -22,7 +22,7 @@ else:  # pragma: no cover - Python 3.10
 CATALOGUE_FILE = "catalogue.toml"
 LIST_FILE = "series"
 # Folder (beside the series folders) of the patches series share: ``base/`` creates the replacement
-# module, ``<variant>/`` fits it to a [[port]] variant's trees; a series list names them as
+# package, ``<variant>/`` fits it to a [[port]] variant's trees; a series list names them as
 # ``../port/<folder>/<patch>`` (megaport.portpatches writes them).
 PORT_DIR = "port"
 PORT_BASE = "base"
@@ -79,10 +79,10 @@ class PatchFile:
 
 @dataclass(frozen=True)
 class PortVariant:
-    """Where the replacement module goes and its era constants, for every series whose entry names
-    the variant (``[[port]]`` in catalogue.toml).
+    """Where the replacement package goes (its folder) and its era constants, for every series whose
+    entry names the variant (``[[port]]`` in catalogue.toml).
 
-    The series differ in the module only by these, so the catalogue stores the module once
+    The series differ in the package only by these, so the catalogue stores the package once
     (``port/base/``) plus, per variant that differs from it, one small patch (``port/<name>/``)."""
 
     name: str
@@ -110,8 +110,8 @@ class Series:
     patches: tuple[PatchFile, ...] = field(default=())
     # GitHub "owner/name" whose history the tested refs belong to (a fork's series name the fork).
     repository: str = UPSTREAM_REPOSITORY
-    # The port variant ([[port]]) whose shared patches create the replacement module; None for a
-    # series that carries the module in a patch of its own.
+    # The port variant ([[port]]) whose shared patches create the replacement package; None for a
+    # series that carries the package in a patch of its own.
     port: str | None = None
 
     @property
@@ -220,7 +220,7 @@ def _ports(directory: Path, path: Path, entries) -> tuple[PortVariant, ...]:
         if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
             raise MegaportError(f"{path}: [[port]] name {name!r} must be a plain folder name", exit_code=2)
         if not isinstance(entry.get("replacement"), str) or not entry["replacement"]:
-            raise MegaportError(f"{path}: [[port]] {name} needs replacement (the module's path in the tree)", exit_code=2)
+            raise MegaportError(f"{path}: [[port]] {name} needs replacement (the port package's folder in the tree)", exit_code=2)
         if any(p.name == name for p in ports) or name == PORT_BASE:
             raise MegaportError(f"{path}: [[port]] {name} is listed twice (or is '{PORT_BASE}', the shared folder)",
                                 exit_code=2)

@@ -167,10 +167,10 @@ def series(patches, json_file):
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if any copy differs from the source.")
 @handle_errors
 def regenerate(patches, check):
-    """Maintainers: re-render the replacement module into the shared port patches.
+    """Maintainers: re-render the replacement package into the shared port patches.
 
-    The PyTorch replacements live once, in megaport/replacements/rocm_port.py, and
-    once in the catalogue: patches/port/ holds the patch that adds the module and one
+    The PyTorch replacements live once, in megaport/replacements/rocm_port/, and
+    once in the catalogue: patches/port/ holds the patch that adds the package and one
     small patch per [[port]] variant, which every series lists first. Edit the source,
     run this, commit patches/. Unchanged files stay byte-for-byte identical.
     """

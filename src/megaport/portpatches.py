@@ -1,10 +1,10 @@
-"""The port's shared patches: the replacement module stored once, plus one small patch per variant.
+"""The port's shared patches: the replacement package stored once, plus one small patch per variant.
 
-Every series adds the same module (``megaport/replacements/rocm_port.py``); the series differ in
-it only by where it goes and two era constants. So ``patches/port/base/`` holds the module once,
-as the patch that creates it at its source path with its newest constants, and
+Every series adds the same package (``megaport/replacements/rocm_port/``); the series differ in
+it only by where it goes and two era constants. So ``patches/port/base/`` holds the package once,
+as the patch that creates its files at its source path with its newest constants, and
 ``patches/port/<variant>/`` holds, for each ``[[port]]`` variant that differs from that, the one
-patch that moves it or sets its constants. A series lists them first, as
+patch that moves its files or sets its constants. A series lists them first, as
 ``../port/base/<file>`` and ``../port/<variant>/<file>``. Both are written here, whole, from the
 source and the ``[[port]]`` entry, byte for byte as ``git format-patch --zero-commit --full-index
 --no-signature --no-stat -N`` writes such commits. They carry no ``Upstream-Range`` trailer: the
@@ -29,18 +29,18 @@ _SUBJECT_WIDTH = 78  # git format-patch folds the Subject header at 78 columns
 _BODY_WIDTH = 76
 _NAME_MAX = 64  # git format-patch's longest file name (--filename-max-length)
 
-# What the base module is: the source as it is, at the path it names.
+# What the base package is: the source as it is, at the path it names.
 BASE = PortVariant(name=PORT_BASE, directory=Path(), replacement=TREE_PATH, fully_masked_rows="zero",
                    transformer_engine_imports_guarded=True)
 
 _WHY_PATH = {
-    "megatron/rocm_port.py": "these trees have no megatron/core, or (Megatron-DeepSpeed from 2023-07) their "
-                             "megatron/core imports from megatron, so the module loads from megatron/__init__.py",
+    "megatron/rocm_port": "these trees have no megatron/core, or (Megatron-DeepSpeed from 2023-07) their "
+                          "megatron/core imports from megatron, so the package loads from megatron/__init__.py",
 }
 _WHY_UNIFORM = ("fully masked softmax rows give a uniform distribution, as upstream's kernels did before "
                 "76db958327 (2022-07-28)")
 _WHY_UNGUARDED = ("megatron/core imports TransformerEngine layers at module level with no guard (2023-07 to "
-                  "2024-06), so the module serves them as stand-ins")
+                  "2024-06), so the package serves them as stand-ins")
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,17 @@ class PortPatch:
         return root / PORT_DIR / self.folder / self.name
 
 
-def module(variant: PortVariant) -> bytes:
-    """The module as a variant's trees get it."""
-    return render(fully_masked_rows_are_zero=variant.fully_masked_rows == "zero",
-                  transformer_engine_imports_guarded=variant.transformer_engine_imports_guarded,
-                  tree_path=variant.replacement).encode("utf-8")
+def module(variant: PortVariant) -> dict[str, bytes]:
+    """The package's files as a variant's trees get them: ``{path in the tree: bytes}``, in git's order."""
+    files = render(fully_masked_rows_are_zero=variant.fully_masked_rows == "zero",
+                   transformer_engine_imports_guarded=variant.transformer_engine_imports_guarded,
+                   tree_path=variant.replacement)
+    return {path: text.encode("utf-8") for path, text in files.items()}
 
 
 def port_patches(variant: PortVariant) -> list[PortPatch]:
     """What a series of this variant lists first, in order: the base, and the variant's own patch
-    unless the variant is the base module itself."""
+    unless the variant is the base package itself."""
     own = variant_patch(variant)
     return [base_patch()] + ([own] if own else [])
 
@@ -79,25 +80,25 @@ def base_patch() -> PortPatch:
     constants = ", ".join(f"{name} = True" for name in ERA_CONSTANTS)
     message = [
         "ROCm has neither NVIDIA apex nor Megatron's fused CUDA extensions, and a ROCm apex build may "
-        f"JIT-compile kernels with hipcc on first use. {Path(TREE_PATH).name} holds the pure-PyTorch "
+        f"JIT-compile kernels with hipcc on first use. The package {Path(TREE_PATH).name} holds the pure-PyTorch "
         "replacements (softmax autograd functions with the kernels' semantics, layer norm, multi-tensor ops, "
         "optimizers, gradient-accumulation GEMM, backend resolution) and an import blocker for apex, amp_C and "
         "*_cuda modules, so every guarded import in Megatron takes its PyTorch path even where apex is "
-        "installed. The series' next patches fit it to their era where needed and import it before any "
-        "other module.",
-        f"Every series with a [[port]] variant shares this patch ({PORT_DIR}/{PORT_BASE}/): the module is "
-        f"stored once, at {TREE_PATH} with the newest era constants ({constants}); a variant that needs "
+        "installed; one module per concern, every name re-exported by the package. The series' next patches "
+        "fit it to their era where needed and import it before any other module.",
+        f"Every series with a [[port]] variant shares this patch ({PORT_DIR}/{PORT_BASE}/): the package is "
+        f"stored once, at {TREE_PATH}/ with the newest era constants ({constants}); a variant that needs "
         "another path or other constants adds one small patch after it. It only creates a file, and it has "
         "no range trailer: the series sharing it cover different eras (and repositories), and each of their "
         "own patches names its range.",
         "Generated by 'megaport regenerate' from megaport's replacements source: edit that and regenerate.",
     ]
-    diff = _new_file(TREE_PATH, module(BASE))
+    diff = b"".join(_new_file(path, content) for path, content in module(BASE).items())
     return PortPatch(PORT_BASE, _file_name(1, subject), _mail(subject, message, diff))
 
 
 def variant_patch(variant: PortVariant) -> PortPatch | None:
-    """The patch that turns the base module into the variant's (None when they are the same)."""
+    """The patch that turns the base package into the variant's (None when they are the same)."""
     old, new = module(BASE), module(variant)
     if variant.replacement == TREE_PATH and old == new:
         return None
@@ -105,7 +106,7 @@ def variant_patch(variant: PortVariant) -> PortPatch | None:
     if variant.replacement != TREE_PATH:
         parts.append(f"in {Path(variant.replacement).parent.as_posix()}/")
         why = _WHY_PATH.get(variant.replacement, "where this variant's trees load it from")
-        reasons.append(f"moved to {variant.replacement}: {why};")
+        reasons.append(f"moved to {variant.replacement}/: {why};")
     if variant.fully_masked_rows != BASE.fully_masked_rows:
         parts.append(f"{variant.fully_masked_rows} fully masked rows")
         reasons.append(f"{ERA_CONSTANTS[0]} = False: {_WHY_UNIFORM};")
@@ -113,9 +114,9 @@ def variant_patch(variant: PortVariant) -> PortPatch | None:
         parts.append("TransformerEngine imports unguarded")
         reasons.append(f"{ERA_CONSTANTS[1]} = False: {_WHY_UNGUARDED};")
     reasons[-1] = reasons[-1][:-1] + "."
-    subject = f"Fit rocm_port.py to its era: {', '.join(parts)}"
+    subject = f"Fit rocm_port to its era: {', '.join(parts)}"
     message = [
-        f"The patch before this one adds the port's module once for all series, as {TREE_PATH} with "
+        f"The patch before this one adds the port's package once for all series, as {TREE_PATH}/ with "
         f"the newest era constants. The trees of port variant {variant.name} need it changed:",
         *(f"- {reason}" for reason in reasons),
         f"Shared by every series whose catalogue entry says port = \"{variant.name}\" ({PORT_DIR}/"
@@ -123,7 +124,9 @@ def variant_patch(variant: PortVariant) -> PortPatch | None:
         f"Generated by 'megaport regenerate' from megaport's replacements source and [[port]] {variant.name} "
         "in catalogue.toml: edit those and regenerate.",
     ]
-    diff = _change(TREE_PATH, variant.replacement, old, new)
+    diff = b"".join(_change(old_path, new_path, old[old_path], new[new_path])
+                    for old_path, new_path in zip(old, new)
+                    if old_path != new_path or old[old_path] != new[new_path])
     return PortPatch(variant.name, _file_name(2, subject), _mail(subject, message, diff))
 
 

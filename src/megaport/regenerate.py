@@ -1,10 +1,10 @@
-"""Keep the catalogue's copies of the replacement module identical to megaport's one source.
+"""Keep the catalogue's copies of the replacement package identical to megaport's one source.
 
 The replacement code (softmax functions, apex stand-ins, backend resolution) lives once, in
-``megaport/replacements/rocm_port.py``. The catalogue carries it once too, in the shared port
+``megaport/replacements/rocm_port/``. The catalogue carries it once too, in the shared port
 patches that every series with a ``[[port]]`` variant lists first (:mod:`megaport.portpatches`,
-written whole). A series without a port carries the module in a patch of its own, where only
-that diff section is rewritten. Regenerating also sets each series' own patches' Upstream-Range
+written whole). A series without a port carries the package in a patch of its own, where only
+the package's diff sections are rewritten. Regenerating also sets each series' own patches' Upstream-Range
 trailer. Running it on an unchanged catalogue changes nothing, and ``--check`` fails when any
 copy differs.
 """
@@ -12,6 +12,7 @@ copy differs.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,15 +89,32 @@ def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
     return b"\n".join(message) + b"\n\n" + trailer + b"\n\n" + patch_text[end:]
 
 
-def rendered_replacement(series: Series) -> bytes:
-    return render(fully_masked_rows_are_zero=series.fully_masked_rows == "zero",
-                  transformer_engine_imports_guarded=series.transformer_engine_imports_guarded,
-                  tree_path=series.replacement).encode("utf-8")
+def rendered_replacement(series: Series) -> dict[str, bytes]:
+    """The package's files for the series: ``{path in the tree: bytes}``."""
+    files = render(fully_masked_rows_are_zero=series.fully_masked_rows == "zero",
+                   transformer_engine_imports_guarded=series.transformer_engine_imports_guarded,
+                   tree_path=series.replacement)
+    return {path: text.encode("utf-8") for path, text in files.items()}
+
+
+def replace_package_sections(patch_text: bytes, folder: str, sections: bytes) -> bytes:
+    """Swap every diff section for a file under ``folder`` for ``sections``, placed where the first
+    of them was (so files added to or dropped from the package follow), every other byte alone."""
+    header = f"diff --git a/{folder}/".encode()
+    first = patch_text.find(header)
+    if first < 0 or (first > 0 and patch_text[first - 1: first] != b"\n"):
+        raise MegaportError(f"no diff section for {folder}/ in the patch")
+    signature = patch_text.find(b"\n-- \n", first)
+    end = signature + 1 if signature >= 0 else len(patch_text)
+    # Hunk lines start with ' ', '+' or '-': a line starting "diff --git " begins a section.
+    parts = re.split(rb"(?m)^(?=diff --git )", patch_text[first:end])
+    others = b"".join(part for part in parts if not part.startswith(header))
+    return patch_text[:first] + sections + others + patch_text[end:]
 
 
 def replacement_patch(series: Series) -> Path:
-    """The one patch of a series that creates the replacement module."""
-    header = f"diff --git a/{series.replacement} b/{series.replacement}\n".encode()
+    """The one patch of a series that creates the replacement package."""
+    header = f"diff --git a/{series.replacement}/".encode()
     owners = [p.path for p in series.patches if header in p.path.read_bytes()]
     if len(owners) != 1:
         raise MegaportError(
@@ -123,8 +141,8 @@ def regenerate_ports(root: Path, ports: tuple[PortVariant, ...], *, write: bool)
 
 
 def regenerate_series(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
-    """The range trailer of every series' own patches, and the module in a series that carries it
-    in a patch of its own (no port); a port variant's file is left to :func:`regenerate_ports`."""
+    """The range trailer of every series' own patches, and the package in a series that carries it
+    in a patch of its own (no port); a port variant's files are left to :func:`regenerate_ports`."""
     results = []
     for series in catalogue.series:
         owner = replacement_patch(series) if series.replacement and not series.port else None
@@ -134,8 +152,9 @@ def regenerate_series(catalogue: Catalogue, *, write: bool) -> list[Regeneration
             before = patch_file.path.read_bytes()
             after = with_range_trailer(before, upstream_range(series))
             if patch_file.path == owner:
-                section = new_file_section(series.replacement, rendered_replacement(series))
-                after = replace_section(after, series.replacement, section)
+                sections = b"".join(new_file_section(path, content)
+                                    for path, content in rendered_replacement(series).items())
+                after = replace_package_sections(after, series.replacement, sections)
             if write and after != before:
                 patch_file.path.write_bytes(after)
             results.append(Regeneration(series.name, patch_file.path, after != before))

@@ -19,7 +19,7 @@ class Fault:
     what: str
 
 
-PORT_FILES = ("megatron/core/rocm_port.py", "megatron/rocm_port.py")
+PORT_FILES = ("megatron/core/rocm_port/apex_substitutes.py", "megatron/rocm_port/apex_substitutes.py")
 OPTIMIZER_FILES = ("megatron/core/optimizer/optimizer.py", "megatron/optimizer/optimizer.py")
 FAULTS = {
     "grad-norm": Fault(PORT_FILES, "    total = torch.linalg.vector_norm(norms).reshape(1)\n",

@@ -171,6 +171,8 @@ def port_softmax_path(device) -> str:
     """Which of the port's softmax paths ran: compiled (one kernel per pass) or eager."""
     port = next((m for name, m in list(sys.modules.items())
                  if name.endswith(".rocm_port") and hasattr(m, "ScaledMaskedSoftmax")), None)
+    # the compiled path's switches live in the module that defines the softmax (the port's softmax.py)
+    port = sys.modules.get(port.ScaledMaskedSoftmax.__module__, port) if port is not None else None
     if port is None or not hasattr(port, "_compile_wanted"):
         return "eager (this tree's port has no compiled path)"
     if not port._compile_wanted(device):

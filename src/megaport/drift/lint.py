@@ -129,8 +129,10 @@ def _check_ports(root: Path, entries: Any, problems: list[Problem]) -> dict[str,
         for key in sorted(set(entry) - _PORT_KEYS):
             problems.append(Problem(path, f"{where}: unknown key '{key}'; remove it or fix its spelling"))
         replacement = entry.get("replacement")
-        if not isinstance(replacement, str) or not replacement.endswith(".py") or unsafe_reason(replacement):
-            problems.append(Problem(path, f"{where}: replacement {replacement!r} must be the module's .py path inside the tree"))
+        if not isinstance(replacement, str) or not replacement or replacement.endswith((".py", "/")) \
+                or unsafe_reason(replacement):
+            problems.append(Problem(path, f"{where}: replacement {replacement!r} must be the port package's folder "
+                                          "inside the tree (megatron/core/rocm_port)"))
         problems.extend(Problem(path, f"{where}: {m}") for m in _era_problems(entry))
         if name in ports:
             problems.append(Problem(path, f"{where} is listed twice; remove one"))

@@ -85,7 +85,7 @@ def _tree_rocm_port(results: dict):
             results["rocm_port"] = {"ok": False, "detail": f"the tree has no rocm_port module ({why})"}
         elif resolve is None:
             results["rocm_port"] = {"ok": False, "detail": f"{rocm_port.__name__} has no resolve_distributed_backend: "
-                                                           "rocm_port.py is the same in every era, so the port is broken"}
+                                                           "the port is the same in every era, so it is broken"}
         else:
             results["rocm_port"] = {"ok": True, "detail": rocm_port.__name__}
     except Exception as exc:  # noqa: BLE001 - reported to the tests

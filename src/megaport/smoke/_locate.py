@@ -1,7 +1,7 @@
 """Finding things in a ported tree of any era: its own modules, and where in it an error was raised.
 
 It locates the tree's own modules (megatron.core.fusions.fused_softmax, or
-megatron/model/fused_softmax.py in old eras; megatron/core/rocm_port.py or megatron/rocm_port.py)
+megatron/model/fused_softmax.py in old eras; the package megatron/core/rocm_port or megatron/rocm_port)
 and never supplies an implementation of its own.
 """
 
@@ -55,6 +55,19 @@ def import_first(names):
     return None, "; ".join(reasons)
 
 
+def home_of(value):
+    """The module that defines ``value`` (a function or class the port's package re-exports): where
+    its globals live, so a test that changes one for the duration changes what the code reads."""
+    import sys
+
+    return sys.modules[value.__module__]
+
+
+def in_port(rel: Path) -> bool:
+    """Whether a path inside the tree is one of the port package's files."""
+    return "rocm_port" in rel.parts[:-1]
+
+
 def is_under(module, tree: Path) -> bool:
     location = getattr(module, "__file__", None)
     return location is not None and is_under_path(Path(location), tree)
@@ -76,7 +89,7 @@ def tree_frame(exc: BaseException, tree: Path) -> str:
             rel = Path(frame.filename).resolve().relative_to(tree.resolve())
         except (ValueError, OSError):
             continue
-        if rel.name == "rocm_port.py" and frame.name == "find_spec":
+        if in_port(rel) and frame.name == "find_spec":
             continue  # the blocker refusing: the importing line is the frame before it
         found = f"{rel}:{frame.lineno}: {(frame.line or '').strip()}"
     return found

@@ -13,16 +13,16 @@ import sys
 from pathlib import Path
 
 from megaport.smoke._guard import is_blocked
-from megaport.smoke._locate import import_first, tree_frame
+from megaport.smoke._locate import import_first, in_port, tree_frame
 
 def port_name(rocm_port, name: str):
-    """``rocm_port.<name>``, or a failure: rocm_port.py is rendered the same for every era (but two
+    """``rocm_port.<name>``, or a failure: the port is rendered the same for every era (but two
     era constants), so a name missing from it is a broken port, never an era without it."""
     import pytest
 
     value = getattr(rocm_port, name, None)
     if value is None:
-        pytest.fail(f"{rocm_port.__name__} has no {name}: rocm_port.py is the same in every era, so the port "
+        pytest.fail(f"{rocm_port.__name__} has no {name}: the port is the same in every era, so the port "
                     f"is broken ({getattr(rocm_port, '__file__', '?')})", pytrace=False)
     return value
 
@@ -104,7 +104,7 @@ def cuda_only_reason(exc: BaseException, tree: Path) -> str | None:
     markers = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "No CUDA GPUs are available",
                "CUDA driver initialization failed", "no CUDA-capable device")
     where = tree_frame(exc, tree)
-    if Path(where.partition(":")[0]).name == "rocm_port.py":
+    if in_port(Path(where.partition(":")[0])):
         return None  # the port's own code must run on every device: never an era's excuse
     cuda_assert = isinstance(exc, AssertionError) and "cuda" in where.partition(": ")[2].lower()
     if not any(m in text for m in markers) and not cuda_assert:

@@ -1,6 +1,6 @@
 """fp64 references for the smoke suite, written from the CUDA kernels' semantics.
 
-Independent of the code under test (the tree's rocm_port.py): masked elements become a literal
+Independent of the code under test (the tree's rocm_port package): masked elements become a literal
 -10000.0 (not scaled), the rest ``x * scale``; causal future positions are exact zeros; fully
 masked rows are zeros or uniform by era; backward is ``scale * (y*g - y*sum(y*g))`` from the
 saved output. Only torch is imported, and only when a function is called.

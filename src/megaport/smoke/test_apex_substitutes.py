@@ -1,8 +1,8 @@
 """The apex substitutes the tree uses, against plain PyTorch references, on the verify device.
 
 Every test finds its subject in the tree: rocm_port's FusedAdam/FusedSGD/amp_C/
-multi_tensor_applier/FusedLayerNormAffineFunction/fused_weight_gradient_mlp_cuda (rocm_port.py is
-the same in every era, so a name missing there fails), and upstream's own modules as each era has
+multi_tensor_applier/FusedLayerNormAffineFunction/fused_weight_gradient_mlp_cuda (the port is the
+same in every era, so a name missing there fails), and upstream's own modules as each era has
 them (megatron.core.optimizer's fallbacks, the FusedLayerNorm module): one the tree lacks fails
 when the unported upstream commit has it, and skips, with upstream's word, when the era has none.
 """

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from megaport.smoke import _era, _verdicts
+from megaport.smoke import _era, _locate, _verdicts
 from megaport.smoke import reference as ref
 
 torch = pytest.importorskip("torch")
@@ -71,9 +71,9 @@ def test_sdpa_core_attention_matches_fp64_reference(smoke, rocm_port, device, mo
     CPU) forced in its place with blocks of 16 rows, dropout 0 so the reference applies."""
     sdpa = _verdicts.port_name(rocm_port, "sdpa_core_attention")
     if kernel == "blockwise":
-        _verdicts.port_name(rocm_port, "blockwise_attention")
-        monkeypatch.setattr(rocm_port, "blockwise_wanted", lambda *args: True)
-        monkeypatch.setattr(rocm_port, "_BLOCK_ELEMENTS", 16)
+        attention = _locate.home_of(_verdicts.port_name(rocm_port, "blockwise_attention"))
+        monkeypatch.setattr(attention, "blockwise_wanted", lambda *args: True)
+        monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", 16)
     q, k, v, mask, grad = inputs(layout, DTYPES[dtype_id], device)
     scale = 1 / math.sqrt(q.shape[-1])
     given = mask if kind == "padding" else None
@@ -93,7 +93,7 @@ def test_blockwise_dropout_backward_is_the_forwards_derivative(rocm_port, device
     """With dropout, backward draws each block's mask again from forward's seed: gradcheck in fp64
     on the verify device, GQA, three blocks."""
     blockwise = _verdicts.port_name(rocm_port, "blockwise_attention")
-    monkeypatch.setattr(rocm_port, "_BLOCK_ELEMENTS", 16)
+    monkeypatch.setattr(_locate.home_of(blockwise), "_BLOCK_ELEMENTS", 16)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
     k, v = (torch.randn(1, 1, 40, 8, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)

@@ -32,14 +32,14 @@ def _touched(config) -> list:
 
 def pytest_generate_tests(metafunc):
     if "touched_module" in metafunc.fixturenames:
-        # Every series adds rocm_port.py: a state that lists no .py file fails its one case.
+        # Every series adds the rocm_port package: a state that lists no .py file fails its one case.
         metafunc.parametrize("touched_module", _touched(metafunc.config) or [pytest.param(None, id="none")])
 
 
 def test_rocm_port_has_every_name_of_the_port(smoke, rocm_port):
-    """rocm_port.py is rendered the same for every era but two constants: every name of the port's
-    interface (``__all__`` of megaport's source, read as text, never imported) is in the tree's."""
-    source = Path(_locate.__file__).resolve().parents[1] / "replacements" / "rocm_port.py"
+    """The port is rendered the same for every era but two constants: every name of its interface
+    (``__all__`` of megaport's source package, read as text, never imported) is in the tree's."""
+    source = Path(_locate.__file__).resolve().parents[1] / "replacements" / "rocm_port" / "__init__.py"
     names = _port_interface(source.read_text(encoding="utf-8"))
     assert names, f"no __all__ in {source}"
     missing = [name for name in names if not hasattr(rocm_port, name)]
@@ -90,7 +90,8 @@ def _removed_by_the_series(smoke, path: str) -> bool:
 def test_touched_module_imports_without_apex(touched_module, smoke, torch_module):
     name = touched_module
     if name is None:
-        pytest.fail("state.json lists no .py file the series touched: every series adds rocm_port.py", pytrace=False)
+        pytest.fail("state.json lists no .py file the series touched: every series adds the rocm_port package",
+                    pytrace=False)
     path = next(p for p in smoke.state["files"] if (_locate.module_name(p) or p) == name)
     if not (smoke.tree / path).is_file():
         # Nothing to import where the series removed it; a file the tree lost since fails.
@@ -174,4 +175,4 @@ def test_apex_stays_out_of_a_full_megatron_core_import(smoke, rocm_port):
         importlib.import_module(name)
     loaded = _guard.blocked_modules_loaded()
     assert not loaded, f"{', '.join(loaded)} loaded by importing {', '.join(names)}"
-    assert Path(rocm_port.__file__).name == "rocm_port.py"
+    assert Path(rocm_port.__file__).parent.name == "rocm_port", f"{rocm_port.__file__} is not the port's package"

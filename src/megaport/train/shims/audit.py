@@ -13,18 +13,19 @@ import sys
 from pathlib import Path
 
 AUDIT_DIR_ENV = "MEGAPORT_BASELINE_AUDIT_DIR"
-_PORT_MARKS = ("install_import_blocker", "resolve_distributed_backend")  # names only the port's module defines
+_PORT_MARKS = ("install_import_blocker", "resolve_distributed_backend")  # names only the port's package holds
 
 
 def port_code_loaded() -> list:
-    """The port's code in this process: modules named ``*rocm_port`` or from megaport.replacements,
-    any module defining the port's own functions, and finders on sys.meta_path from such modules."""
-    found = []
-    for name, module in list(sys.modules.items()):
-        names = getattr(module, "__dict__", {})
-        if (name.endswith("rocm_port") or name.startswith("megaport.replacements")
-                or all(mark in names for mark in _PORT_MARKS)):
-            found.append(f"module {name}")
+    """The port's code in this process: its package (named ``rocm_port``, from megaport.replacements,
+    or defining the port's own functions) and every module inside it (the port is a package: a process
+    that loads one of its modules loads it), and finders on sys.meta_path from such modules."""
+    modules = list(sys.modules.items())
+    packages = [name for name, module in modules
+                if name.endswith("rocm_port") or name.startswith("megaport.replacements")
+                or all(mark in getattr(module, "__dict__", {}) for mark in _PORT_MARKS)]
+    found = [f"module {name}" for name, _ in modules
+             if "rocm_port" in name.split(".") or any(name == p or name.startswith(p + ".") for p in packages)]
     flagged = {entry.split(" ", 1)[1] for entry in found}
     for finder in sys.meta_path:
         if type(finder).__module__ in flagged:

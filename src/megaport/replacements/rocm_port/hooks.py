@@ -1,0 +1,174 @@
+"""What importing the port changes in the process: the finders it installs and the tables of steps
+they run around upstream modules as those load. The tables and the finders live here once, for
+every module of the package."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+from . import te_absent
+from .attention import _sdpa_in_dot_product_attention, _sdpa_in_legacy_core_attention
+from .blocker import install_import_blocker
+from .era import TRANSFORMER_ENGINE_IMPORTS_GUARDED
+from .target_stack import (
+    _both_resize_names,
+    _sentinel_tokens_kept,
+    _zero_takes_port_fused_adam,
+    fp16_optimizers_answer_cur_scale,
+    install_target_stack_compat,
+    legacy_tensor_types,
+    serve_removed_deepspeed_compression,
+)
+from .te_absent import (
+    _GPT_SPECS_MODULE,
+    _TransformerEngineLayersStandIn,
+    _port_multi_tensor_helpers,
+    _rope_fusion_off_before_checks,
+    _serve_te_layer_specs,
+    _t5_masks_for_local_layers,
+    _te_layer_names_declared,
+)
+from .te_features import (
+    _TE_NONE_NAMES,
+    _TE_NORM_USERS,
+    _fp8_off_before_validation,
+    _mla_duplicated_down_projections,
+    _mla_has_no_te,
+    _mla_query_norm_as_te_spec,
+    _no_fp8_shard_to_quantize_without_te,
+    _say_grouped_gemm_runs_sequential,
+    _serve_grouped_gemm,
+    _serve_mla_channels,
+    _serve_rms_norm_in_fused_layer_norm,
+    _serve_zero_centered_gamma_in_torch_norm,
+    _te_backend_is_local,
+    _te_helpers_none,
+    _te_norm_is_the_port_norm,
+)
+
+def _steps(entry) -> tuple:
+    """A table entry as a tuple of steps: one function, or several in the order they run."""
+    return () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+# What old upstream code needs of today's torch, NumPy and transformers right after a module loads.
+_AFTER_IMPORT_TARGET_STACK = {
+    "megatron.model.vision.utils": _both_resize_names,
+    "megatron.model.vision.inpainting": _both_resize_names,
+    "megatron.core.tokenizers.text.libraries.huggingface_tokenizer": _sentinel_tokens_kept,
+}
+
+# What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.
+_AFTER_IMPORT_DEEPSPEED = {
+    "deepspeed.runtime.zero.utils": _zero_takes_port_fused_adam,
+    "deepspeed.accelerator.cuda_accelerator": legacy_tensor_types,
+    "deepspeed.runtime.fp16.fused_optimizer": fp16_optimizers_answer_cur_scale,
+    "deepspeed.runtime.fp16.unfused_optimizer": fp16_optimizers_answer_cur_scale,
+}
+
+# Where the port routes core attention through SDPA, whatever is installed.
+_AFTER_IMPORT_ATTENTION = {
+    "megatron.core.transformer.dot_product_attention": _sdpa_in_dot_product_attention,
+    "megatron.core.transformer.core_attention": _sdpa_in_legacy_core_attention,  # its name 2023-06-29 … 07-24
+    "megatron.legacy.model.transformer": _sdpa_in_legacy_core_attention,
+    "megatron.model.transformer": _sdpa_in_legacy_core_attention,
+}
+
+# What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
+_AFTER_IMPORT_WITHOUT_TE = {
+    "megatron.core.fp8_utils": _no_fp8_shard_to_quantize_without_te,
+    "megatron.core.transformer.transformer_config": _rope_fusion_off_before_checks,
+    "megatron.core.optimizer.clip_grads": _port_multi_tensor_helpers,
+    "megatron.core.optimizer.optimizer": _port_multi_tensor_helpers,
+    "megatron.core.transformer.torch_layer_norm": _serve_zero_centered_gamma_in_torch_norm,
+    "megatron.core.transformer.torch_norm": _serve_zero_centered_gamma_in_torch_norm,
+    "megatron.core.fusions.fused_layer_norm": _serve_rms_norm_in_fused_layer_norm,
+    "megatron.core.transformer.dot_product_attention": _serve_mla_channels,
+    "megatron.core.transformer.moe.grouped_gemm_util": _serve_grouped_gemm,
+    "megatron.training.arguments": _fp8_off_before_validation,
+    "megatron.arguments": _fp8_off_before_validation,
+    **{name: _te_norm_is_the_port_norm for name in _TE_NORM_USERS},
+    **{name: _te_helpers_none for name in _TE_NONE_NAMES},
+    # the TE-norm users that need more, each entry replacing its line above
+    _GPT_SPECS_MODULE: (_te_norm_is_the_port_norm, _serve_te_layer_specs),
+    "megatron.core.models.bert.bert_layer_specs": _serve_te_layer_specs,
+    # core 0.9's local T5 block specs name TENorm too, defined only with TE
+    "megatron.core.models.T5.t5_spec": (_te_norm_is_the_port_norm, _serve_te_layer_specs),
+    "megatron.core.datasets.t5_dataset": _t5_masks_for_local_layers,
+    "megatron.core.models.backends": (_te_norm_is_the_port_norm, _say_grouped_gemm_runs_sequential,
+                                       _te_backend_is_local),
+    "megatron.core.transformer.multi_latent_attention": (_te_norm_is_the_port_norm, _mla_has_no_te,
+                                                         _mla_query_norm_as_te_spec, _mla_duplicated_down_projections),
+}
+
+
+# What a module needs declared before upstream's own code in it runs, without TransformerEngine.
+_BEFORE_IMPORT_WITHOUT_TE = {
+    "megatron.core.models.bert.bert_layer_specs": _te_layer_names_declared,
+}
+
+#: The after-import tables, grouped by what they serve; the first three whatever is installed.
+AFTER_IMPORT_TABLES = (
+    ("today's torch and NumPy", _AFTER_IMPORT_TARGET_STACK),
+    ("DeepSpeed", _AFTER_IMPORT_DEEPSPEED),
+    ("core attention through SDPA", _AFTER_IMPORT_ATTENTION),
+    ("TransformerEngine absent", _AFTER_IMPORT_WITHOUT_TE),
+)
+
+
+def after_import_steps(fullname: str) -> tuple:
+    """Every step the port runs once ``fullname`` has loaded, table by table (:data:`AFTER_IMPORT_TABLES`;
+    the TransformerEngine-absent one only without TransformerEngine): one module may take several."""
+    steps = ()
+    for _, table in AFTER_IMPORT_TABLES:
+        if fullname in table and (table is not _AFTER_IMPORT_WITHOUT_TE or not te_absent._transformer_engine_installed()):
+            steps += _steps(table[fullname])
+    return steps
+
+
+def before_import_steps(fullname: str) -> tuple:
+    """What runs in ``fullname``'s namespace before upstream's code in it (TransformerEngine absent)."""
+    if fullname in _BEFORE_IMPORT_WITHOUT_TE and not te_absent._transformer_engine_installed():
+        return _steps(_BEFORE_IMPORT_WITHOUT_TE[fullname])
+    return ()
+
+
+class _ServeAfterImport(importlib.abc.MetaPathFinder):
+    """Runs the steps of a module (:func:`before_import_steps`, :func:`after_import_steps`) around
+    upstream's own code in it: one mechanism for every era, whatever shape the file has."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        before, after = before_import_steps(fullname), after_import_steps(fullname)
+        if not before and not after:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            for step in before:
+                step(module)
+            run(module)
+            for step in after:
+                step(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Everything the port changes in the process, once, when upstream imports it (first thing):
+    the apex/extension blocker, today's stack's restored names, DeepSpeed's removed compression
+    module, the TransformerEngine layers stand-in (eras that import it unguarded), and the
+    after-import steps. Each is idempotent: importing the port again changes nothing more."""
+    install_import_blocker()
+    install_target_stack_compat()
+    serve_removed_deepspeed_compression()
+    if not TRANSFORMER_ENGINE_IMPORTS_GUARDED and not any(
+            isinstance(f, _TransformerEngineLayersStandIn) for f in sys.meta_path):
+        sys.meta_path.insert(1, _TransformerEngineLayersStandIn())
+    if not any(isinstance(f, _ServeAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(1, _ServeAfterImport())
