@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from . import context_parallel
 from .era import FULLY_MASKED_ROWS_ARE_ZERO
 from .say import say_once
 from .softmax import _scale_value
@@ -339,6 +340,8 @@ def _route_core_attention_through_sdpa(cls, forward_names: tuple) -> None:
     def forward(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         config = getattr(self, "config", None)
+        if getattr(self, "_rocm_port_cp", False):
+            return _context_parallel_attention(self, config, bound, forward_names)
         reason = _kernel_exact_reason(self, config, bound)
         if reason is None:
             query, key, value, mask = (bound.get(n) for n in forward_names)
@@ -353,7 +356,71 @@ def _route_core_attention_through_sdpa(cls, forward_names: tuple) -> None:
     cls._rocm_port_sdpa = True
 
 
+def _context_parallel_attention(core, config, bound: dict, forward_names: tuple):
+    """One core attention call with context parallelism, without TransformerEngine: the port's
+    all-gather attention (:mod:`.context_parallel`) over the CP group, dropout under Megatron's RNG
+    tracker as in the SDPA path. What it cannot express is refused, never computed otherwise."""
+    for name in ("attention_bias", "packed_seq_params"):
+        if bound.get(name) is not None:
+            raise ValueError(f"context parallelism without TransformerEngine takes no {name.replace('_', ' ')} "
+                             "(the port's context-parallel attention)")
+    if getattr(core.scale_mask_softmax, "window_size", None) is not None or getattr(core, "softmax_offset", None) \
+            is not None:
+        raise ValueError("context parallelism without TransformerEngine takes no sliding window or softmax offset")
+    query, key, value, mask = (bound.get(n) for n in forward_names)
+    causal = getattr(bound.get("attn_mask_type") or core.attn_mask_type, "name", "") == "causal"
+    group = core._rocm_port_cp_group
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    dropout = core.attention_dropout.p if core.training else 0.0
+    say_once(f"core attention: context parallelism over {torch.distributed.get_world_size(group)} ranks without "
+             "TransformerEngine (the port's attention: K/V all-gathered, blocks merged by log-sum-exp)")
+    kwargs = dict(group=group, scale=_core_attention_scale(core), causal=causal, dropout_p=dropout,
+                  attn_mask=None if causal else mask)
+    tracker = _rng_tracker(core) if dropout > 0 and not getattr(config, "sequence_parallel", False) else None
+    if tracker is None:
+        return context_parallel.context_parallel_attention(query, key, value, **kwargs)
+    with tracker.fork():
+        return context_parallel.context_parallel_attention(query, key, value, **kwargs)
+
+
+def _take_context_parallelism(cls) -> None:
+    """Upstream's local ``DotProductAttention`` asserts ``context_parallel_size == 1`` (only TE's
+    attention did CP): with more, it is built as for one and remembers the CP group, and its
+    forward runs :func:`_context_parallel_attention`. ``--cp-comm-type`` is answered in one line."""
+    if cls is None or getattr(cls, "_rocm_port_cp_init", False):
+        return
+    original = cls.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        config = bound["config"]
+        size = getattr(config, "context_parallel_size", 1)
+        if size == 1:
+            return original(self, *args, **kwargs)
+        served, line = context_parallel.cp_comm_type_answer(bound.get("cp_comm_type") or
+                                                            getattr(config, "cp_comm_type", None))
+        if not served:
+            raise ValueError(line)
+        say_once(line)
+        config.context_parallel_size = 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            config.context_parallel_size = size
+        self._rocm_port_cp = True
+        self._rocm_port_cp_group = getattr(bound.get("pg_collection"), "cp", None)
+
+    cls.__init__ = __init__
+    cls._rocm_port_cp_init = True
+
+
 def _sdpa_in_dot_product_attention(module) -> None:
+    _take_context_parallelism(getattr(module, "DotProductAttention", None))
     _route_core_attention_through_sdpa(getattr(module, "DotProductAttention", None),
                                        tuple(list(inspect.signature(module.DotProductAttention.forward).parameters)[1:5]))
 

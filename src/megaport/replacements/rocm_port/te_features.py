@@ -100,6 +100,14 @@ def _refused_by_apex_layer_norm(config) -> bool:
 
 
 def _refused_by_torch_norm(config) -> bool:
+    """Upstream's torch norm wrapper asserts no zero-centered gamma and no sequence parallelism
+    (only TE's norm took them); the port's norm takes both, and marks its parameters
+    ``sequence_parallel`` so the TP ranks all-reduce their gradients (upstream issues #1446, #1448:
+    norms drift apart silently without the mark)."""
+    if getattr(config, "sequence_parallel", False):
+        say_once("sequence parallelism without TransformerEngine: the port's norm in place of upstream's torch norm, "
+                 "its weights marked sequence_parallel (gradients all-reduced across the TP ranks)")
+        return True
     return bool(getattr(config, "layernorm_zero_centered_gamma", False))
 
 
