@@ -150,3 +150,25 @@ def test_verify_trains_layouts_of_upstream_main_matching_one_rank(full_clone, tm
     assert sorted(trained) == sorted(names.split(","))
     for layout, compared in trained.items():
         assert not compared["one-rank"]["problems"], (layout, compared["one-rank"]["problems"])
+
+
+@pytest.mark.fullclone
+@pytest.mark.parametrize("fault", ["sp-norm-grad", "cp-merge-without-lse"])
+def test_a_fault_planted_in_a_layouts_path_fails_verify(full_clone, tmp_path, fault):
+    """The SP norm's gradient not all-reduced, CP blocks merged without their log-sum-exp: the
+    layout still trains, and only its comparison with one rank sees the fault."""
+    from support.faults import LAYOUT_FAULTS, plant
+    from support.porting import port
+
+    layout, _ = LAYOUT_FAULTS[fault]
+    tree = tmp_path / "tree"
+    code, _, output = port(full_clone, "main", tree)
+    assert code == 0, output
+    plant(tree, fault)
+    report = tmp_path / "verify.json"
+    proc = subprocess.run([sys.executable, "-m", "megaport", "verify", str(tree), "--device", "cpu", "--model",
+                           "llama", "--layouts", layout, "--checks", "one-rank", "-k", "layouts", "--json",
+                           str(report)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    compared = json.loads(report.read_text())["device"]["layouts"]["llama"][layout]["one-rank"]
+    assert compared.get("problems"), compared  # it trained, and the comparison failed

@@ -21,6 +21,8 @@ class Fault:
 
 PORT_FILES = ("megatron/core/rocm_port/apex_substitutes.py", "megatron/rocm_port/apex_substitutes.py")
 OPTIMIZER_FILES = ("megatron/core/optimizer/optimizer.py", "megatron/optimizer/optimizer.py")
+NORM_FILES = ("megatron/core/rocm_port/te_features.py", "megatron/rocm_port/te_features.py")
+CP_FILES = ("megatron/core/rocm_port/context_parallel.py",)
 FAULTS = {
     "grad-norm": Fault(PORT_FILES, "    total = torch.linalg.vector_norm(norms).reshape(1)\n",
                        "    total = torch.linalg.vector_norm(norms).reshape(1) * 100\n",
@@ -31,11 +33,22 @@ FAULTS = {
     "optimizer-step": Fault(OPTIMIZER_FILES, "self.optimizer.step()", "self.optimizer.step(); self.optimizer.step()",
                             "the optimizer's step is taken twice"),
 }
+#: faults in a parallel layout's path, which only a run in that layout meets: {name: (layout, fault)}
+LAYOUT_FAULTS = {
+    "sp-norm-grad": ("tp2-sp", Fault(NORM_FILES, 'setattr(p, "sequence_parallel", sequence_parallel)',
+                                     'setattr(p, "sequence_parallel", False)',
+                                     "the port's norm under SP is not marked sequence_parallel: its gradient is "
+                                     "never all-reduced across the TP ranks")),
+    "cp-merge-without-lse": ("cp2", Fault(CP_FILES, "out[i] = out[i] * keep_old + o * take_new",
+                                          "out[i] = out[i] + o",
+                                          "the port's context-parallel attention adds its blocks without their "
+                                          "log-sum-exp")),
+}
 
 
 def plant(tree: Path, name: str) -> Path:
     """Plant fault ``name`` in ``tree``; the file changed."""
-    fault = FAULTS[name]
+    fault = FAULTS[name] if name in FAULTS else LAYOUT_FAULTS[name][1]
     path = next(tree / f for f in fault.files if (tree / f).is_file())
     text = path.read_text(encoding="utf-8")
     assert fault.old in text, f"{path} no longer has {fault.old!r}: update tests/support/faults.py"

@@ -10,6 +10,7 @@ listed in the report with why. Facts: ``layouts.<family>.<layout>.<check>``.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 
@@ -43,11 +44,30 @@ def context(smoke):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _where(smoke, layout) -> tuple:
+    """(on GPUs, why not): GPUs where the machine has one for each rank of the layout, else the CPU.
+    Several "nodes" on one machine run on the CPU: each node's rank 0 would take the same GPU."""
+    if not smoke.gpu:
+        return False, ""
+    import torch
+
+    have = torch.cuda.device_count()
+    if layout.ranks.nodes > 1:
+        return False, "several nodes on one machine run on the CPU (each node's first rank would take GPU 0)"
+    if have < layout.ranks.world:
+        return False, f"the machine has {have} GPU(s), the layout needs {layout.ranks.world}: on the CPU"
+    return True, ""
+
+
 def test_layout_trains_and_matches(smoke, context, planned):
     facts = smoke.facts.setdefault("layouts", {}).setdefault(planned.family.name, {}).setdefault(
         planned.layout.name, {})
+    gpu, why = _where(smoke, planned.layout)
+    if why:
+        facts["device"] = why
     try:
-        compared = planned.check.compare(context, planned.family.name, planned.layout)
+        compared = planned.check.compare(dataclasses.replace(context, gpu=gpu), planned.family.name,
+                                         planned.layout)
     except RuntimeError as exc:
         facts[planned.check.name] = {"error": str(exc).splitlines()[0]}
         pytest.fail(str(exc), pytrace=False)

@@ -24,7 +24,7 @@ from megaport.train.layouts import registry as layouts
 STEPS = 30
 
 _LOCK = threading.Lock()
-#: (tree, family, sizes) -> (checkpoint folder, the one-rank reference run), made once a session
+#: (tree, device, family, sizes) -> (checkpoint folder, the one-rank reference run), made once a session
 _REFERENCES: dict = {}
 
 
@@ -36,7 +36,7 @@ def _base_run(context: Context, family: str, layout) -> pretrain.Run:
 def reference(context: Context, run: pretrain.Run) -> tuple:
     """The checkpoint every layout of ``run``'s family and sizes starts from, and the one-rank run
     from it: (folder, run document), made once per session."""
-    key = (context.tree, run.family, dataclasses.astuple(run.sizes))
+    key = (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
     with _LOCK:
         if key not in _REFERENCES:
             folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_REFERENCES)}")
