@@ -172,3 +172,10 @@ def test_a_fault_planted_in_a_layouts_path_fails_verify(full_clone, tmp_path, fa
     assert proc.returncode == 1, proc.stdout[-3000:]
     compared = json.loads(report.read_text())["device"]["layouts"]["llama"][layout]["one-rank"]
     assert compared.get("problems"), compared  # it trained, and the comparison failed
+
+
+def test_a_tree_without_the_entry_point_plans_no_layout_and_says_why(tmp_path):
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size"])
+    os.remove(os.path.join(tree, "pretrain_gpt.py"))
+    runs, absent = plan.plan(tree, [layouts.get("tp2")], [checks.CHECKS["one-rank"]], models=["gpt"])
+    assert runs == [] and "no pretrain_gpt.py" in absent[0].why

@@ -190,6 +190,7 @@ def pytest_collection_modifyitems(config, items):
     # nothing to test: deselected and listed, never skipped, so a healthy tree skips nothing.
     lacking, unverified = _era_lacks(smoke, items)
     _deselect(config, items, lacking, "not_in_this_era")
+    _deselect(config, items, [item for item in items if item.get_closest_marker("no_layout_runs")], "no_layout_runs")
     upstream = smoke.upstream
     smoke.facts["era_from"] = upstream.label if upstream.available else f"the ported tree ({upstream.why})"
     if unverified:

@@ -34,6 +34,9 @@ def pytest_generate_tests(metafunc):
                                     checks.select(config.getoption("--megaport-checks")),
                                     models=[m.strip() for m in models.split(",")] if models else None)
         smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}: {a.why}" for a in absent]
+        if not runs:  # an empty parameter set would be a skip: deselected instead (conftest)
+            metafunc.parametrize("planned", [pytest.param(None, marks=pytest.mark.no_layout_runs)], ids=["none"])
+            return
         metafunc.parametrize("planned", runs, ids=[r.id for r in runs])
 
 

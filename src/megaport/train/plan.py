@@ -49,9 +49,20 @@ def plan(tree: str, layouts: list, checks: list, *, models: list | None = None) 
         names = models if models is not None else [n for n in layout.families if n in present]
         for name in names:
             family = present.get(name) or families.get(name)
-            why = layout.present(tree, family.flags(tree)[0]) if name in present else "the tree has no such family"
+            why = _why_absent(tree, family, layout, name in present)
             if why is not None:
                 absent.append(Absent(name, layout.name, why))
                 continue
             runs += [PlannedRun(family, layout, check) for check in checks if check.applies(layout)]
     return runs, absent
+
+
+def _why_absent(tree: str, family: Family, layout: Layout, present: bool) -> str | None:
+    """Why ``family`` cannot train in ``layout`` on ``tree``; None where it can. Layouts train
+    through the family's own entry point (a megatron-core package has none: its one-rank harness
+    is the family's training test)."""
+    if not present:
+        return "the tree has no such family"
+    if not family.has_entry_point(tree):
+        return f"the tree has no {family.entry_point} (layouts train through the family's own entry point)"
+    return layout.present(tree, family.flags(tree)[0])
