@@ -2,7 +2,7 @@
 
 Two layouts with the same seed differ from their first iteration (TP2 and TP1 by 0.5 % even with
 ``--use-cpu-initialization`` on main: each initialises its shards its own way), so each side
-starts from one checkpoint instead: one rank trains one iteration and saves its weights; a
+starts from one checkpoint instead: one rank trains two iterations and saves its weights; a
 one-rank reference and the layout both load them (``--finetune --no-load-optim --no-load-rng``;
 upstream's distributed checkpoint reshards them to the layout) and train on the same data with
 the same global batch. Their per-iteration loss and grad norm are then compared as loss parity
@@ -22,6 +22,9 @@ from megaport.train.layouts import registry as layouts
 
 #: iterations compared: the window in which a run at loss parity's learning rate learns measurably
 STEPS = 30
+#: iterations of the run that writes the shared checkpoint: two, so a family's warm-up (Mixtral's
+#: ``--lr-warmup-iters`` of a tenth, at least one) stays shorter than its decay, as upstream asserts
+INIT_STEPS = 2
 
 _LOCK = threading.Lock()
 #: (tree, device, family, sizes) -> (checkpoint folder, the one-rank reference run), made once a session
@@ -40,7 +43,7 @@ def reference(context: Context, run: pretrain.Run) -> tuple:
     with _LOCK:
         if key not in _REFERENCES:
             folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_REFERENCES)}")
-            first = dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=1), save=folder)
+            first = dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS), save=folder)
             pretrain.run_pretrain(first, context.env)
             _REFERENCES[key] = folder, pretrain.run_pretrain(dataclasses.replace(run, load=folder), context.env)
         return _REFERENCES[key]
