@@ -33,7 +33,8 @@ def pytest_generate_tests(metafunc):
         runs, absent = planner.plan(str(smoke.tree), layouts.select(config.getoption("--megaport-layouts")),
                                     checks.select(config.getoption("--megaport-checks")),
                                     models=[m.strip() for m in models.split(",")] if models else None)
-        smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}: {a.why}" for a in absent]
+        smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}{f' vs {a.check}' if a.check else ''}: {a.why}"
+                                         for a in absent]
         if not runs:  # an empty parameter set would be a skip: deselected instead (conftest)
             metafunc.parametrize("planned", [pytest.param(None, marks=pytest.mark.no_layout_runs)], ids=["none"])
             return

@@ -37,6 +37,8 @@ class Absent:
     family: str
     layout: str
     why: str
+    #: the check that does not apply, where the layout itself does
+    check: str | None = None
 
 
 def plan(tree: str, layouts: list, checks: list, *, models: list | None = None) -> tuple[list, list]:
@@ -53,7 +55,12 @@ def plan(tree: str, layouts: list, checks: list, *, models: list | None = None) 
             if why is not None:
                 absent.append(Absent(name, layout.name, why))
                 continue
-            runs += [PlannedRun(family, layout, check) for check in checks if check.applies(layout)]
+            for check in checks:
+                why_not = check.not_for(layout, tree)
+                if why_not is None:
+                    runs.append(PlannedRun(family, layout, check))
+                else:
+                    absent.append(Absent(name, layout.name, why_not, check.name))
     return runs, absent
 
 

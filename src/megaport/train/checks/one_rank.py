@@ -8,6 +8,12 @@ upstream's distributed checkpoint reshards them to the layout) and train on the 
 the same global batch. Their per-iteration loss and grad norm are then compared as loss parity
 compares two trees (:func:`megaport.train.parity.parity_problems`): loss within 1 %, grad norm
 within 5 %, over a window in which the model measurably learns.
+
+Eras before distributed checkpoints (core 0.5) write one file per (tensor, pipeline) rank, which
+another layout cannot load; there both sides draw one initialisation instead
+(``--use-cpu-initialization``: the full weights drawn once on the CPU, then split), and a layout
+with pipeline stages, which seed their own weights, is compared with unported upstream in that
+layout rather than with one rank.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import dataclasses
 import os
 import threading
 
-from megaport.train import parity, pretrain
+from megaport.train import example, parity, pretrain
 from megaport.train.checks.spec import Check, Context
 from megaport.train.layouts import registry as layouts
 
@@ -27,7 +33,7 @@ STEPS = 30
 INIT_STEPS = 2
 
 _LOCK = threading.Lock()
-#: (tree, device, family, sizes) -> (checkpoint folder, the one-rank reference run), made once a session
+#: (tree, device, family, sizes) -> (the run as every layout starts it, its one-rank document), once a session
 _REFERENCES: dict = {}
 
 
@@ -37,25 +43,56 @@ def _base_run(context: Context, family: str, layout) -> pretrain.Run:
 
 
 def reference(context: Context, run: pretrain.Run) -> tuple:
-    """The checkpoint every layout of ``run``'s family and sizes starts from, and the one-rank run
-    from it: (folder, run document), made once per session."""
+    """How every layout of ``run``'s family and sizes starts (``run`` loading the shared checkpoint,
+    or drawing the one shared initialisation where the era cannot reshard one), and the one-rank run
+    from there: (the run to spread, its one-rank document), made once per session."""
     key = (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
     with _LOCK:
         if key not in _REFERENCES:
-            folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_REFERENCES)}")
-            first = dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS), save=folder)
-            pretrain.run_pretrain(first, context.env)
-            _REFERENCES[key] = folder, pretrain.run_pretrain(dataclasses.replace(run, load=folder), context.env)
+            start = _shared_start(context, run, len(_REFERENCES))
+            _REFERENCES[key] = start, pretrain.run_pretrain(start, context.env)
         return _REFERENCES[key]
+
+
+def _shared_start(context: Context, run: pretrain.Run, number: int) -> pretrain.Run:
+    """``run`` starting where every layout starts: from one rank's checkpoint (written here) where
+    the era reshards it, else from ``--use-cpu-initialization``'s weights."""
+    if not reshards(context.tree):
+        why = ("every layout draws one initialisation: this era's checkpoints do not reshard, and on the CPU the "
+               "full weights are drawn once, then split")
+        return dataclasses.replace(run, extra=run.extra + ((("--use-cpu-initialization",), why),))
+    folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{number}")
+    pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
+                                              save=folder), context.env)
+    return dataclasses.replace(run, load=folder)
+
+
+def reshards(tree: str) -> bool:
+    """Whether the era writes a checkpoint another layout loads (upstream's distributed format:
+    ``--use-dist-ckpt`` from core 0.5, ``--ckpt-format`` later)."""
+    return example.parser_has(tree, "--ckpt-format") or example.parser_has(tree, "--use-dist-ckpt")
+
+
+def not_for(layout, tree: str) -> str | None:
+    """Why a layout cannot be compared with one rank from one checkpoint on ``tree``: none is one
+    rank itself; before distributed checkpoints each (tensor, pipeline) rank reads its own file, so
+    only one initialisation can be shared (``--use-cpu-initialization``: the full weights drawn
+    once, then split), and pipeline stages draw their layers' weights from their own seeds."""
+    if layout is layouts.ONE_RANK:
+        return "one rank is the yardstick itself"
+    if not reshards(tree) and "--pipeline-model-parallel-size" in layout.flags:
+        return ("this era's checkpoints do not reshard and its pipeline stages seed their own weights: "
+                "compared with unported upstream in the same layout")
+    return None
 
 
 def compare(context: Context, family: str, layout) -> dict:
     """The layout's run against the one-rank run, both from one checkpoint."""
-    run = _base_run(context, family, layout)
-    folder, one = reference(context, run)
-    mine = pretrain.run_pretrain(dataclasses.replace(run, layout=layout.name, load=folder), context.env)
+    start, one = reference(context, _base_run(context, family, layout))
+    mine = pretrain.run_pretrain(dataclasses.replace(start, layout=layout.name), context.env)
     compared = parity.loss_parity(mine, one)
-    compared.update(against="one rank from the same checkpoint", run=_kept(mine))
+    compared.update(against="one rank from the same " + ("checkpoint" if start.load else "initialisation"),
+                    run=_kept(mine))
     compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(one["losses"])))
     return compared
 
@@ -67,4 +104,4 @@ def _kept(document: dict) -> dict:
 
 
 CHECK = Check(name="one-rank", summary="matches one rank from the same checkpoint (loss 1 %, grad norm 5 %)",
-              compare=compare, applies=lambda layout: layout is not layouts.ONE_RANK)
+              compare=compare, not_for=lambda layout, tree: not_for(layout, tree))

@@ -29,5 +29,5 @@ class Check:
     #: (context, family name, layout) -> the comparison: a dict with at least ``problems`` (empty
     #: when the check holds), ``against`` and the figures the report shows
     compare: Callable
-    #: whether the check applies to a layout (the one-rank yardstick needs one that is not one rank)
-    applies: Callable = lambda layout: True
+    #: why the check does not apply to a layout on a tree, or None where it does: (layout, tree) -> str | None
+    not_for: Callable = lambda layout, tree: None
