@@ -317,11 +317,18 @@ def _attention_through_sdpa(core, config, query, key, value, attention_mask, att
                                   key.shape[2] != query.shape[2])
             say_once(f"core attention: torch scaled_dot_product_attention ({chosen} backend on "
                      f"{query.device.type}, {what}) in place of the fused softmax and two batched GEMMs")
+    return _under_attention_rng(core, config, dropout, lambda: sdpa_core_attention(query, key, value, **kwargs)), None
+
+
+def _under_attention_rng(core, config, dropout: float, attend):
+    """``attend()`` under Megatron's model-parallel RNG tracker where it draws dropout masks, as
+    upstream's core attention does (under sequence parallelism it draws them from the default
+    generator)."""
     tracker = _rng_tracker(core) if dropout > 0 and not getattr(config, "sequence_parallel", False) else None
     if tracker is None:
-        return sdpa_core_attention(query, key, value, **kwargs), None
+        return attend()
     with tracker.fork():
-        return sdpa_core_attention(query, key, value, **kwargs), None
+        return attend()
 
 
 _SDPA_SAID = set()
@@ -379,11 +386,8 @@ def _context_parallel_attention(core, config, bound: dict, forward_names: tuple)
              "TransformerEngine (the port's attention: K/V all-gathered, blocks merged by log-sum-exp)")
     kwargs = dict(group=group, scale=_core_attention_scale(core), causal=causal, dropout_p=dropout,
                   attn_mask=None if causal else mask)
-    tracker = _rng_tracker(core) if dropout > 0 and not getattr(config, "sequence_parallel", False) else None
-    if tracker is None:
-        return context_parallel.context_parallel_attention(query, key, value, **kwargs)
-    with tracker.fork():
-        return context_parallel.context_parallel_attention(query, key, value, **kwargs)
+    return _under_attention_rng(core, config, dropout,
+                                lambda: context_parallel.context_parallel_attention(query, key, value, **kwargs))
 
 
 def _take_context_parallelism(cls) -> None:
