@@ -14,23 +14,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import tempfile
 
 from megaport.envpaths import with_paths_first, without_pythonpath
-from megaport.git import export_commit
+from megaport.train.tree_files import exported
 from megaport.train.shims import registry as shims
 from megaport.train.failure import RunFailed
 
 
 @contextlib.contextmanager
 def unported_upstream(tree, sha: str):
-    """The commit ``sha`` of ``tree``'s history exported to a temporary folder, and an environment
-    without the tree's PYTHONPATH: ``(folder, env)``."""
-    with tempfile.TemporaryDirectory(prefix="megaport-upstream-") as folder:
-        export_commit(tree, sha, folder)
-        own = megaport_import_path()
-        env = with_paths_first(without_pythonpath(), own) if own else without_pythonpath()
-        yield folder, env
+    """The commit ``sha`` of ``tree``'s history exported to a folder (once a process: every baseline
+    run shares it, :func:`megaport.train.tree_files.exported`), and an environment without the
+    tree's PYTHONPATH: ``(folder, env)``."""
+    own = megaport_import_path()
+    yield exported(str(tree), sha), with_paths_first(without_pythonpath(), own) if own else without_pythonpath()
 
 
 def megaport_import_path() -> str | None:

@@ -10,7 +10,6 @@ the script has it, under the name the era's parser knows it by (:data:`RENAMED`)
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -160,22 +159,11 @@ def parser_help_flags(tree: str) -> frozenset:
 
 
 def _unported_folder(tree: str) -> str:
-    """The tree's unported upstream commit exported to a folder kept for this process (the tree
-    itself where it records none)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    from megaport.git import export_commit
-    from megaport.train.tree_files import unported_commit
+    """The tree's unported upstream commit, exported (the tree itself where it records none)."""
+    from megaport.train.tree_files import exported, unported_commit
 
     sha = unported_commit(tree)
-    if not sha:
-        return tree
-    folder = tempfile.mkdtemp(prefix="megaport-era-")
-    atexit.register(shutil.rmtree, folder, True)
-    export_commit(tree, sha, folder)
-    return folder
+    return exported(tree, sha) if sha else tree
 
 
 def parser_text(tree: str) -> str:

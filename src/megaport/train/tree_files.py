@@ -38,6 +38,29 @@ def unported_commit(tree: str) -> str:
     return _COMMITS[tree]
 
 
+#: (tree, commit) -> the folder it is exported to, kept for the process
+_EXPORTS: dict = {}
+
+
+def exported(tree: str, sha: str) -> str:
+    """Commit ``sha`` of ``tree``'s git exported to a folder kept for this process (removed at
+    exit): the parser probe and every baseline run of a verify share one export, and with it the
+    parser's option list and upstream's dataset helpers built in it once."""
+    key = (tree, sha)
+    if key not in _EXPORTS:
+        import atexit
+        import shutil
+        import tempfile
+
+        from megaport.git import export_commit
+
+        folder = tempfile.mkdtemp(prefix="megaport-upstream-")
+        atexit.register(shutil.rmtree, folder, True)
+        export_commit(tree, sha, folder)
+        _EXPORTS[key] = folder
+    return _EXPORTS[key]
+
+
 def _upstream_text(tree: str, sha: str, rel: str) -> str | None:
     key = (tree, sha, rel)
     if key not in _TEXTS:

@@ -17,7 +17,7 @@ _CP_SERVED = "core attention through the port's context-parallel attention (K/V 
 ONE_RANK = Layout("one-rank", "one rank, nothing split", families=())
 
 LAYOUTS = {layout.name: layout for layout in (
-    Layout("tp2", "tensor parallel over 2 ranks", Ranks(2), TP2, families=("gpt", "llama")),
+    Layout("tp2", "tensor parallel over 2 ranks", Ranks(2), TP2),
     Layout("tp2-sp", "tensor + sequence parallel over 2 ranks", Ranks(2), TP2 + SP,
            families=("llama", "deepseek"), served=_SP_SERVED, upstream_runs=False),
     Layout("pp2", "2 pipeline stages", Ranks(2), ("--pipeline-model-parallel-size", "2"), families=("llama",)),
