@@ -33,38 +33,67 @@ STEPS = 30
 INIT_STEPS = 2
 
 _LOCK = threading.Lock()
-#: (tree, device, family, sizes) -> (the run as every layout starts it, its one-rank document), once a session
-_REFERENCES: dict = {}
+#: what one session shares: (tree, device, family, sizes) -> the shared start; + "one-rank" -> the
+#: one-rank run from it; + layout -> the layout's run from it
+_SHARED: dict = {}
 
 
-def _base_run(context: Context, family: str, layout) -> pretrain.Run:
-    run = parity.parity_run(context.tree, "ported", gpu=context.gpu, family=family)
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where every layout of a family and sizes starts: a checkpoint's weights, or the flags that
+    draw one initialisation."""
+
+    load: str | None = None
+    extra: tuple = ()
+
+    def of(self, run: pretrain.Run) -> pretrain.Run:
+        """``run`` (either tree's, any layout) starting here."""
+        return dataclasses.replace(run, load=self.load, extra=run.extra + self.extra)
+
+    @property
+    def described(self) -> str:
+        return "checkpoint" if self.load else "initialisation"
+
+
+def base_run(context: Context, family: str, layout, mode: str = "ported") -> pretrain.Run:
+    run = parity.parity_run(context.tree, mode, gpu=context.gpu, family=family)
     return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=STEPS))
 
 
-def reference(context: Context, run: pretrain.Run) -> tuple:
-    """How every layout of ``run``'s family and sizes starts (``run`` loading the shared checkpoint,
-    or drawing the one shared initialisation where the era cannot reshard one), and the one-rank run
-    from there: (the run to spread, its one-rank document), made once per session."""
-    key = (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
+def _once(key, make):
     with _LOCK:
-        if key not in _REFERENCES:
-            start = _shared_start(context, run, len(_REFERENCES))
-            _REFERENCES[key] = start, pretrain.run_pretrain(start, context.env)
-        return _REFERENCES[key]
+        if key not in _SHARED:
+            _SHARED[key] = make()
+        return _SHARED[key]
 
 
-def _shared_start(context: Context, run: pretrain.Run, number: int) -> pretrain.Run:
-    """``run`` starting where every layout starts: from one rank's checkpoint (written here) where
-    the era reshards it, else from ``--use-cpu-initialization``'s weights."""
-    if not reshards(context.tree):
-        why = ("every layout draws one initialisation: this era's checkpoints do not reshard, and on the CPU the "
-               "full weights are drawn once, then split")
-        return dataclasses.replace(run, extra=run.extra + ((("--use-cpu-initialization",), why),))
-    folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{number}")
-    pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
-                                              save=folder), context.env)
-    return dataclasses.replace(run, load=folder)
+def _key(context: Context, run: pretrain.Run) -> tuple:
+    return (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
+
+
+def shared_start(context: Context, run: pretrain.Run) -> Start:
+    """Where every layout of ``run``'s family and sizes starts, made once a session: one rank's
+    checkpoint (written here) where the era reshards it, else ``--use-cpu-initialization``'s weights."""
+    def make() -> Start:
+        if not reshards(context.tree):
+            why = ("every layout draws one initialisation: this era's checkpoints do not reshard, and on the CPU the "
+                   "full weights are drawn once, then split")
+            return Start(extra=((("--use-cpu-initialization",), why),))
+        folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_SHARED)}")
+        pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
+                                                  save=folder), context.env)
+        return Start(load=folder)
+    return _once(_key(context, run), make)
+
+
+def layout_run(context: Context, family: str, layout, sized_for=None) -> tuple:
+    """The ported tree's run of ``family`` in ``layout`` from the shared start, in the sizes
+    ``sized_for`` (a layout: one rank's reference takes the sizes of the layout it is compared
+    with) or its own: (the run, its document), made once a session (a layout's checks share it)."""
+    base = base_run(context, family, sized_for or layout)
+    start = shared_start(context, base)
+    run = dataclasses.replace(start.of(base), layout=layout.name)
+    return run, _once(_key(context, base) + (layout.name,), lambda: pretrain.run_pretrain(run, context.env))
 
 
 def reshards(tree: str) -> bool:
@@ -87,12 +116,11 @@ def not_for(layout, tree: str) -> str | None:
 
 
 def compare(context: Context, family: str, layout) -> dict:
-    """The layout's run against the one-rank run, both from one checkpoint."""
-    start, one = reference(context, _base_run(context, family, layout))
-    mine = pretrain.run_pretrain(dataclasses.replace(start, layout=layout.name), context.env)
+    """The layout's run against the one-rank run, both from the shared start."""
+    run, mine = layout_run(context, family, layout)
+    _, one = layout_run(context, family, layouts.ONE_RANK, sized_for=layout)
     compared = parity.loss_parity(mine, one)
-    compared.update(against="one rank from the same " + ("checkpoint" if start.load else "initialisation"),
-                    run=_kept(mine))
+    compared.update(against=f"one rank from the same {shared_start(context, run).described}", run=_kept(mine))
     compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(one["losses"])))
     return compared
 

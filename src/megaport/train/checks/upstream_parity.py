@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from megaport.train import baseline, parity, pretrain
+from megaport.train import baseline, parity
 from megaport.train.checks import one_rank
 from megaport.train.checks.spec import Check, Context
 
 
 def compare(context: Context, family: str, layout) -> dict:
-    """The ported run against the unported one in ``layout``."""
+    """The ported run against the unported one in ``layout``, both from the shared start (the
+    unported tree loads the checkpoint the ported one wrote, as a user moving to ROCm would)."""
     if not context.upstream_sha:
         raise RuntimeError("the tree records no upstream commit (.git/megaport/state.json)")
-    runs = {mode: dataclasses.replace(parity.parity_run(context.tree, mode, gpu=context.gpu, family=family),
-                                      layout=layout.name) for mode in ("ported", "fusions-off")}
-    # the one-rank check's window: a layout's parity needs no longer a run than its one-rank match
-    runs = {mode: dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=one_rank.STEPS))
-            for mode, run in runs.items()}
-    mine = pretrain.run_pretrain(runs["ported"], context.env)
-    base, _ = baseline.run_unported(runs["fusions-off"], context.upstream_sha)
+    run, mine = one_rank.layout_run(context, family, layout)
+    unported = one_rank.shared_start(context, run).of(one_rank.base_run(context, family, layout, "fusions-off"))
+    base, _ = baseline.run_unported(dataclasses.replace(unported, layout=layout.name), context.upstream_sha)
     compared = parity.loss_parity(mine, base)
-    compared.update(against="unported upstream, fusions off, same layout", baseline_shims=base["baseline_shims"])
+    compared.update(against="unported upstream, fusions off, same layout and start",
+                    baseline_shims=base["baseline_shims"])
     compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(base["losses"])))
     return compared
 
