@@ -215,3 +215,21 @@ def test_the_report_gives_each_section_in_order():
     positions = [text.find(label) for label in labels]
     assert -1 not in positions, [label for label, at in zip(labels, positions) if at == -1]
     assert positions == sorted(positions), text
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--layouts", "tp2,tp3", "unknown layout 'tp3'; known: tp2, tp2-sp"),
+    ("--checks", "one-rank,speed", "unknown check 'speed'; known: one-rank, upstream"),
+])
+def test_an_unknown_layout_or_check_is_a_one_line_usage_error(tmp_path, option, value, message):
+    result = invoke(str(fake_tree(tmp_path)), "--device", "cpu", option, value)
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_chosen_layouts_and_checks_reach_the_suite(tmp_path):
+    command = verify_mod.pytest_command("python", tmp_path, "cpu", "uniform", "s", tmp_path / "r.json", None, None,
+                                       color=False, layouts=["tp2-sp", "cp2"], checks=["one-rank"])
+    assert "--megaport-layouts=tp2-sp,cp2" in command and "--megaport-checks=one-rank" in command
+    assert "--megaport-layouts=none" in verify_mod.pytest_command(
+        "python", tmp_path, "cpu", "uniform", "s", tmp_path / "r.json", None, None, color=False, layouts=[])
