@@ -22,7 +22,7 @@ is imported while ``megatron.core`` is still initialising.
 One module per concern: ``era`` (the era constants), ``say`` (its one-line messages),
 ``blocker``, ``target_stack`` (today's torch, NumPy and DeepSpeed), ``te_absent``
 (TransformerEngine's layers and specs), ``te_features`` (norms, MoE, MLA, FP8),
-``softmax``, ``attention`` (SDPA), ``apex_substitutes``, ``distributed`` and ``hooks``
+``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``apex_substitutes``, ``distributed`` and ``hooks``
 (what importing the port installs).  Upstream imports every name from the package
 itself, which re-exports them; the modules import each other relatively, so the
 package works at either place a series puts it.
@@ -56,6 +56,13 @@ from .attention import (
     sdpa_enabled,
 )
 from .blocker import blocked_modules_loaded, install_import_blocker, uninstall_import_blocker
+from .context_parallel import (
+    CP_COMM_TYPES,
+    context_parallel_attention,
+    cp_comm_type_answer,
+    local_chunk_indices,
+    split_for_cp_rank,
+)
 from .distributed import (
     DISTRIBUTED_BACKENDS,
     collective_library,
@@ -100,6 +107,11 @@ __all__ = [
     "norm_forward",
     "grouped_gemm",
     "switch_off_fp8",
+    "CP_COMM_TYPES",
+    "context_parallel_attention",
+    "cp_comm_type_answer",
+    "local_chunk_indices",
+    "split_for_cp_rank",
     "fused_weight_gradient_mlp_cuda",
     "fused_layer_norm_affine",
     "fused_mix_prec_layer_norm_cuda",
