@@ -118,6 +118,22 @@ def test_checkpoint_flags_start_from_weights_only_in_the_distributed_format(tmp_
     assert loaded[loaded.index("--ckpt-format") + 1] == "torch_dist"
 
 
+def test_checkpoints_hold_weights_only_where_the_parser_can_say_so(tmp_path):
+    tree = _tree(tmp_path, ["--ckpt-format", "--no-save-optim", *LLAMA_FLAGS])
+    assert "--no-save-optim" in _command(tree, save="/ck").argv
+    assert "--no-save-optim" not in _command(tree, load="/ck").argv
+
+
+@pytest.mark.parametrize("parser, mcore", [(["--use-dist-ckpt", "--use-mcore-models"], True),
+                                           (["--use-dist-ckpt", "--use-mcore-models", "--use-legacy-models"], False),
+                                           (["--ckpt-format", "--use-dist-ckpt", "--use-legacy-models"], False)])
+def test_dist_checkpoints_build_mcore_models_where_the_era_builds_legacy_ones_by_default(tmp_path, parser, mcore):
+    tree = _tree(tmp_path, [*parser, *LLAMA_FLAGS])
+    for kind in ("save", "load"):
+        assert ("--use-mcore-models" in _command(tree, **{kind: "/ck"}).argv) is mcore
+    assert "--use-mcore-models" not in _command(tree).argv
+
+
 def test_a_layout_that_needs_more_layers_gives_them_to_both_sides():
     assert layouts.get("pp2-vpp").sizes(example.Sizes(layers=2)).layers == 4
     assert Layout("x", "y", flags=("--a",)).sizes(example.Sizes(layers=2)).layers == 2

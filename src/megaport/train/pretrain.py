@@ -158,16 +158,26 @@ def _layout_flags(run: Run, notes: list) -> list:
 
 def _checkpoint_flags(run: Run, notes: list) -> list:
     """Where the run saves its weights and what it starts from, in the era's checkpoint format:
-    upstream's distributed format where the parser has it (it reshards to any layout)."""
+    upstream's distributed format where the parser has it (it reshards to any layout). Core 0.5 to
+    0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
+    without it: there every side of the comparison builds Megatron Core's model. A checkpoint
+    holds weights only (``--no-save-optim``): every run that loads one starts its optimizer fresh."""
     flags = []
     if run.save or run.load:
         if example.parser_has(run.tree, "--ckpt-format"):
             flags += ["--ckpt-format", "torch_dist"]
         elif example.parser_has(run.tree, "--use-dist-ckpt"):
             flags += ["--use-dist-ckpt"]
+            if example.parser_has(run.tree, "--use-mcore-models") and not example.parser_has(
+                    run.tree, "--use-legacy-models"):
+                flags += ["--use-mcore-models"]
+                notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
     if run.save:
         flags += ["--save", run.save, "--save-interval", str(run.sizes.steps)]
         notes.append(f"saves its weights after iteration {run.sizes.steps}")
+        if example.parser_has(run.tree, "--no-save-optim"):
+            flags += ["--no-save-optim"]
+            notes.append("--no-save-optim (runs that load the checkpoint start their optimizer fresh)")
     if run.load:
         flags += ["--load", run.load, "--finetune", "--no-load-optim", "--no-load-rng"]
         notes.append("starts from a checkpoint's weights (--finetune --no-load-optim --no-load-rng): "
