@@ -134,6 +134,13 @@ def test_dist_checkpoints_build_mcore_models_where_the_era_builds_legacy_ones_by
     assert "--use-mcore-models" not in _command(tree).argv
 
 
+def test_zero1_over_two_data_parallel_ranks_is_the_deepspeed_forks_alone(tmp_path):
+    dp2 = layouts.get("dp2-zero1")
+    assert dp2.micro_batch == 1 and "gpt" in dp2.families
+    assert dp2.present(_tree(tmp_path / "up", LLAMA_FLAGS), []) == "the era's parser has no --zero-stage"
+    assert dp2.present(_tree(tmp_path / "fork", ["--zero-stage", *LLAMA_FLAGS]), []) is None
+
+
 def test_a_layout_that_needs_more_layers_gives_them_to_both_sides():
     assert layouts.get("pp2-vpp").sizes(example.Sizes(layers=2)).layers == 4
     assert Layout("x", "y", flags=("--a",)).sizes(example.Sizes(layers=2)).layers == 2

@@ -102,7 +102,10 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     from megaport.train.families import registry
 
     family = registry.get(run.family)
-    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine) if family.fork_example else None
+    layout = layouts.get(run.layout)
+    fork = deepspeed_example.fork_example(
+        run.tree, workdir, run.sizes, run.engine, micro_batch=layout.micro_batch,
+        pipeline="--pipeline-model-parallel-size" in layout.flags) if family.fork_example else None
     if fork is not None:
         tokens, notes = fork.tokens, list(fork.notes)
     else:
