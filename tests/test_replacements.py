@@ -1117,6 +1117,20 @@ def test_t5s_sentinel_tokens_survive_todays_transformers(rp, tiny_megatron):
     assert wrapper.HuggingFaceTokenizer("bert-large-cased").additional_special_tokens_ids == []
 
 
+def test_core_05_to_08s_save_planner_learns_it_is_the_coordinator_on_todays_torch(rp, tiny_megatron):
+    """core 0.5 … 0.8 pass is_coordinator second, where torch 2.4 put storage_meta: every rank then
+    wrote its sharded objects twice and saving died of 'item.index.fqn not in md'."""
+    tiny_megatron({"megatron/core/dist_checkpointing/strategies/torch.py": (
+        "from torch.distributed.checkpoint.default_planner import DefaultSavePlanner\n\n\n"
+        "class MCoreSavePlanner(DefaultSavePlanner):\n    pass\n")})
+    module = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+    planner = module.MCoreSavePlanner()
+    planner.set_up_planner({}, True)  # what core 0.6's state_dict_saver calls
+    assert planner.is_coordinator is True
+    planner.set_up_planner({}, is_coordinator=False)  # core 0.9 on
+    assert planner.is_coordinator is False
+
+
 def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, monkeypatch):
     """Without TE and apex, clip_grads' local fallbacks (bf16 norms in bf16) give way to the port's."""
     monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)

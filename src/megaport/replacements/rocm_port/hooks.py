@@ -14,6 +14,7 @@ from .blocker import install_import_blocker
 from .era import TRANSFORMER_ENGINE_IMPORTS_GUARDED
 from .target_stack import (
     _both_resize_names,
+    _save_planner_takes_coordinator_by_name,
     _sentinel_tokens_kept,
     _zero_takes_port_fused_adam,
     fp16_optimizers_answer_cur_scale,
@@ -58,6 +59,7 @@ _AFTER_IMPORT_TARGET_STACK = {
     "megatron.model.vision.utils": _both_resize_names,
     "megatron.model.vision.inpainting": _both_resize_names,
     "megatron.core.tokenizers.text.libraries.huggingface_tokenizer": _sentinel_tokens_kept,
+    "megatron.core.dist_checkpointing.strategies.torch": _save_planner_takes_coordinator_by_name,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

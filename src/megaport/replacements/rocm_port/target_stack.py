@@ -128,6 +128,27 @@ def _both_resize_names(module) -> None:
                 setattr(module, name, function)
 
 
+def _save_planner_takes_coordinator_by_name(module) -> None:
+    """Core 0.5 … 0.8's distributed checkpoint saver calls ``planner.set_up_planner(state_dict,
+    is_coordinator)`` positionally; torch 2.4 put ``storage_meta`` second, so every rank takes
+    itself for a non-coordinator and ``MCoreSavePlanner`` adds the coordinator's sharded objects
+    (RNG state, extra states) a second time: saving dies with torch's ``item.index.fqn not in md``.
+    As upstream's b972e895a4 (core 0.9) does, a lone positional flag is passed by name; a tree
+    that passes it by name, or a torch without ``storage_meta``, is left as it is."""
+    planner = getattr(module, "MCoreSavePlanner", None)
+    set_up = getattr(planner, "set_up_planner", None)
+    if set_up is None or "storage_meta" not in inspect.signature(set_up).parameters:
+        return
+
+    @functools.wraps(set_up)
+    def set_up_planner(self, state_dict, *args, **kwargs):
+        if len(args) == 1 and isinstance(args[0], bool) and "is_coordinator" not in kwargs:
+            args, kwargs = (), {**kwargs, "is_coordinator": args[0]}
+        return set_up(self, state_dict, *args, **kwargs)
+
+    planner.set_up_planner = set_up_planner
+
+
 def _sentinel_tokens_kept(module) -> None:
     """Core 0.14 … 2026-05's HuggingFaceTokenizer reads T5's sentinel tokens back through the
     names transformers lists in ``SPECIAL_TOKENS_ATTRIBUTES``, which no longer holds
