@@ -70,6 +70,21 @@ def test_expert_layouts_need_a_model_with_experts(tmp_path):
     assert absent[0].family == "llama" and absent[0].why == "the model has no experts to split"
 
 
+def test_grouped_gemm_experts_that_write_no_distributed_checkpoint_share_one_initialisation(tmp_path):
+    from megaport.train.checks import one_rank
+
+    tree = _tree(tmp_path, ["--use-dist-ckpt", "--expert-model-parallel-size", "--num-experts", "--moe-grouped-gemm",
+                            *LLAMA_FLAGS],
+                 script="ARGS=(--num-experts 8 --moe-grouped-gemm --normalization RMSNorm)\n")
+    assert one_rank._unsaved(tree, "mixtral") is None
+    experts = os.path.join(tree, "megatron", "core", "transformer", "moe", "experts.py")
+    os.makedirs(os.path.dirname(experts))
+    with open(experts, "w") as f:
+        f.write("raise NotImplementedError('Currently distributed checkpointing is not supported for GroupedMLP')\n")
+    assert "GroupedMLP" in one_rank._unsaved(tree, "mixtral")
+    assert one_rank._unsaved(tree, "llama") is None
+
+
 def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):
     tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
     runs, _ = plan.plan(tree, [layouts.get("tp2"), layouts.get("tp2-sp")], checks.select(None), models=["llama"])

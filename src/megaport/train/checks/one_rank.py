@@ -22,7 +22,7 @@ import dataclasses
 import os
 import threading
 
-from megaport.train import example, parity, pretrain
+from megaport.train import example, parity, pretrain, tree_files
 from megaport.train.checks.spec import Check, Context
 from megaport.train.layouts import registry as layouts
 
@@ -49,17 +49,39 @@ def reference(context: Context, run: pretrain.Run) -> tuple:
     key = (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
     with _LOCK:
         if key not in _REFERENCES:
-            start = _shared_start(context, run, len(_REFERENCES))
-            _REFERENCES[key] = start, pretrain.run_pretrain(start, context.env)
+            try:
+                start = _shared_start(context, run, len(_REFERENCES))
+                _REFERENCES[key] = start, pretrain.run_pretrain(start, context.env)
+            except RuntimeError as exc:  # every layout of the family fails of the first cause, not of a rerun's
+                _REFERENCES[key] = exc
+        if isinstance(_REFERENCES[key], RuntimeError):
+            raise _REFERENCES[key]
         return _REFERENCES[key]
+
+
+#: what core 0.5 … 0.7's GroupedMLP says for a distributed checkpoint, which it cannot write
+_GROUPED_MLP_UNSAVED = "distributed checkpointing is not supported for GroupedMLP"
+
+
+def _unsaved(tree: str, family: str) -> str | None:
+    """Why one rank of ``family`` cannot write a checkpoint every layout loads on ``tree``; None where it can."""
+    if not reshards(tree):
+        return "this era's checkpoints do not reshard"
+    from megaport.train.families import registry
+
+    if "--moe-grouped-gemm" in registry.get(family).flags(tree)[0] and tree_files.tree_says(
+            tree, "megatron/core/transformer/moe/experts.py", _GROUPED_MLP_UNSAVED):
+        return "this era's grouped-GEMM experts (GroupedMLP) write no distributed checkpoint"
+    return None
 
 
 def _shared_start(context: Context, run: pretrain.Run, number: int) -> pretrain.Run:
     """``run`` starting where every layout starts: from one rank's checkpoint (written here) where
     the era reshards it, else from ``--use-cpu-initialization``'s weights."""
-    if not reshards(context.tree):
-        why = ("every layout draws one initialisation: this era's checkpoints do not reshard, and on the CPU the "
-               "full weights are drawn once, then split")
+    unsaved = _unsaved(context.tree, run.family)
+    if unsaved:
+        why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn once, "
+               "then split")
         return dataclasses.replace(run, extra=run.extra + ((("--use-cpu-initialization",), why),))
     folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{number}")
     pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
