@@ -1131,6 +1131,22 @@ def test_core_05_to_08s_save_planner_learns_it_is_the_coordinator_on_todays_torc
     assert planner.is_coordinator is False
 
 
+def test_core_05_to_012s_async_writer_calls_todays_write_item(rp, tiny_megatron, tmp_path):
+    """core 0.5 … 0.12 call torch's private _write_item without the transforms and serialization
+    format today's torch takes; every writer process died of a TypeError."""
+    tiny_megatron({"megatron/core/dist_checkpointing/strategies/filesystem_async.py": (
+        "from torch.distributed.checkpoint.filesystem import _write_item\n\n\n"
+        "def write(stream, data, write_item, storage_key):\n"
+        "    return _write_item(stream, data, write_item, storage_key)\n")})
+    module = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+    import io
+    stream = io.BytesIO()
+    result = module.write(stream, io.BytesIO(b"abc"), WriteItem(MetadataIndex("x"), WriteItemType.BYTE_IO), "k")
+    assert result.storage_data.relative_path == "k" and stream.getvalue() == b"abc"
+
+
 def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, monkeypatch):
     """Without TE and apex, clip_grads' local fallbacks (bf16 norms in bf16) give way to the port's."""
     monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)

@@ -13,6 +13,7 @@ from .attention import _sdpa_in_dot_product_attention, _sdpa_in_legacy_core_atte
 from .blocker import install_import_blocker
 from .era import TRANSFORMER_ENGINE_IMPORTS_GUARDED
 from .target_stack import (
+    _async_writer_calls_todays_write_item,
     _both_resize_names,
     _save_planner_takes_coordinator_by_name,
     _sentinel_tokens_kept,
@@ -60,6 +61,7 @@ _AFTER_IMPORT_TARGET_STACK = {
     "megatron.model.vision.inpainting": _both_resize_names,
     "megatron.core.tokenizers.text.libraries.huggingface_tokenizer": _sentinel_tokens_kept,
     "megatron.core.dist_checkpointing.strategies.torch": _save_planner_takes_coordinator_by_name,
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": _async_writer_calls_todays_write_item,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

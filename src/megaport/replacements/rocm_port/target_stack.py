@@ -149,6 +149,40 @@ def _save_planner_takes_coordinator_by_name(module) -> None:
     planner.set_up_planner = set_up_planner
 
 
+def _async_writer_calls_todays_write_item(module) -> None:
+    """Core 0.5 … 0.12's asynchronous checkpoint writer calls torch's private ``_write_item`` as
+    torch 2.3 had it; torch 2.6 put the writer's stream transforms first and 2.7 added a
+    serialization format, so every writer process dies of a TypeError and saving of 'Incomplete
+    worker results'. As core 0.13 does, the call gets today's arguments: no transforms (a
+    ``_StorageWriterTransforms()`` without extensions) and torch.save's format; a tree that
+    passes them itself (core 0.13 on) is left as it is."""
+    original = getattr(module, "_write_item", None)
+    if original is None:
+        return
+    try:
+        if "serialization_format" in inspect.getsource(module):
+            return
+    except (OSError, TypeError):
+        return
+    from torch.distributed.checkpoint import filesystem
+
+    parameters = list(inspect.signature(original).parameters)
+    transforms = getattr(filesystem, "_StorageWriterTransforms", None)
+    if not (parameters and parameters[0] == "transforms" and transforms) and "serialization_format" not in parameters:
+        return
+
+    @functools.wraps(original)
+    def _write_item(*args, **kwargs):
+        if parameters[0] == "transforms" and transforms and not isinstance(args[0], transforms):
+            args = (transforms(), *args)
+        if "serialization_format" in parameters and "serialization_format" not in kwargs \
+                and len(args) < len(parameters):
+            kwargs["serialization_format"] = filesystem.SerializationFormat.TORCH_SAVE
+        return original(*args, **kwargs)
+
+    module._write_item = _write_item
+
+
 def _sentinel_tokens_kept(module) -> None:
     """Core 0.14 … 2026-05's HuggingFaceTokenizer reads T5's sentinel tokens back through the
     names transformers lists in ``SPECIAL_TOKENS_ATTRIBUTES``, which no longer holds
