@@ -159,6 +159,12 @@ def _layout_flags(run: Run, notes: list) -> list:
     return flags
 
 
+def legacy_models_by_default(tree: str) -> bool:
+    """Whether the era builds legacy models unless told ``--use-mcore-models`` (core 0.5 to 0.6;
+    from 0.7 Megatron Core's are the default and ``--use-legacy-models`` asks for the others)."""
+    return example.parser_has(tree, "--use-mcore-models") and not example.parser_has(tree, "--use-legacy-models")
+
+
 def _checkpoint_flags(run: Run, notes: list) -> list:
     """Where the run saves its weights and what it starts from, in the era's checkpoint format:
     upstream's distributed format where the parser has it (it reshards to any layout). Core 0.5 to
@@ -171,8 +177,7 @@ def _checkpoint_flags(run: Run, notes: list) -> list:
             flags += ["--ckpt-format", "torch_dist"]
         elif example.parser_has(run.tree, "--use-dist-ckpt"):
             flags += ["--use-dist-ckpt"]
-            if example.parser_has(run.tree, "--use-mcore-models") and not example.parser_has(
-                    run.tree, "--use-legacy-models"):
+            if legacy_models_by_default(run.tree):
                 flags += ["--use-mcore-models"]
                 notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
     if run.save:

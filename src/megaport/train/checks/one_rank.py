@@ -82,7 +82,11 @@ def _shared_start(context: Context, run: pretrain.Run, number: int) -> pretrain.
     if unsaved:
         why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn once, "
                "then split")
-        return dataclasses.replace(run, extra=run.extra + ((("--use-cpu-initialization",), why),))
+        extra = ((("--use-cpu-initialization",), why),)
+        if reshards(context.tree) and pretrain.legacy_models_by_default(context.tree):
+            extra += ((("--use-mcore-models",), "the family's experts are Megatron Core's, which this era builds only "
+                       "when told"),)
+        return dataclasses.replace(run, extra=run.extra + extra)
     folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{number}")
     pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
                                               save=folder), context.env)
