@@ -1147,6 +1147,19 @@ def test_core_05_to_012s_async_writer_calls_todays_write_item(rp, tiny_megatron,
     assert result.storage_data.relative_path == "k" and stream.getvalue() == b"abc"
 
 
+def test_megatrons_own_checkpoints_load_whole_on_todays_torch(rp, tiny_megatron, tmp_path):
+    """torch 2.6's weights_only default refused the Namespace Megatron pickles in its checkpoints."""
+    import argparse
+
+    tiny_megatron({"megatron/core/dist_checkpointing/serialization.py": (
+        "import torch\n\n\ndef load_common(path):\n    return torch.load(path, map_location='cpu')\n")})
+    module = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    path = tmp_path / "common.pt"
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2)}, path)
+    assert module.load_common(path)["args"].tensor_model_parallel_size == 2
+    assert module.torch.Tensor is torch.Tensor and torch.load.__name__ == "load"
+
+
 def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, monkeypatch):
     """Without TE and apex, clip_grads' local fallbacks (bf16 norms in bf16) give way to the port's."""
     monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)

@@ -183,6 +183,34 @@ def _async_writer_calls_todays_write_item(module) -> None:
     module._write_item = _write_item
 
 
+class _TorchLoadingItsOwnCheckpoints(types.ModuleType):
+    """torch, but ``load`` unpickles whole objects unless told otherwise (torch < 2.6's default)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(*args, **kwargs):
+        kwargs.setdefault("weights_only", False)
+        return torch.load(*args, **kwargs)
+
+
+def _checkpoints_load_as_they_were_saved(module) -> None:
+    """torch 2.6 made ``weights_only=True`` torch.load's default; Megatron's checkpoints (core
+    0.5 … 0.9's distributed ones among them) pickle the run's argparse Namespace and more, so
+    loading one died of 'Weights only load failed'. As upstream itself later passes
+    ``weights_only=False`` for the checkpoints it wrote, the module's ``torch.load`` does so
+    unless told otherwise; a module that says ``weights_only`` itself is left as it is."""
+    if getattr(module, "torch", None) is not torch or "weights_only" not in inspect.signature(torch.load).parameters:
+        return
+    try:
+        if "weights_only" in inspect.getsource(module):
+            return
+    except (OSError, TypeError):
+        return
+    module.torch = _TorchLoadingItsOwnCheckpoints("torch", torch.__doc__)
+
+
 def _sentinel_tokens_kept(module) -> None:
     """Core 0.14 … 2026-05's HuggingFaceTokenizer reads T5's sentinel tokens back through the
     names transformers lists in ``SPECIAL_TOKENS_ATTRIBUTES``, which no longer holds
