@@ -135,8 +135,8 @@ def test_checkpoint_flags_start_from_weights_only_in_the_distributed_format(tmp_
 
 def test_checkpoints_hold_weights_only_where_the_parser_can_say_so(tmp_path):
     tree = _tree(tmp_path, ["--ckpt-format", "--no-save-optim", *LLAMA_FLAGS])
-    assert "--no-save-optim" in _command(tree, save="/ck").argv
-    assert "--no-save-optim" not in _command(tree, load="/ck").argv
+    assert "--no-save-optim" in _command(tree, save="/ck").argv and "--no-save-optim" in _command(tree, load="/ck").argv
+    assert "--no-save-optim" not in _command(tree).argv
 
 
 @pytest.mark.parametrize("parser, mcore", [(["--use-dist-ckpt", "--use-mcore-models"], True),

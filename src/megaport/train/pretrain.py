@@ -170,7 +170,8 @@ def _checkpoint_flags(run: Run, notes: list) -> list:
     upstream's distributed format where the parser has it (it reshards to any layout). Core 0.5 to
     0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
     without it: there every side of the comparison builds Megatron Core's model. A checkpoint
-    holds weights only (``--no-save-optim``): every run that loads one starts its optimizer fresh."""
+    holds weights only (``--no-save-optim``, on the loading side too: core 0.5-0.6 read the optimizer
+    back unless it says so): every run that loads one starts its optimizer fresh."""
     flags = []
     if run.save or run.load:
         if example.parser_has(run.tree, "--ckpt-format"):
@@ -180,12 +181,14 @@ def _checkpoint_flags(run: Run, notes: list) -> list:
             if legacy_models_by_default(run.tree):
                 flags += ["--use-mcore-models"]
                 notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
+    if (run.save or run.load) and example.parser_has(run.tree, "--no-save-optim"):
+        # also where it loads: core 0.5-0.6 build the state dict they load from with this same flag
+        flags += ["--no-save-optim"]
+        notes.append("--no-save-optim (the checkpoint holds weights only: runs that load it start their optimizer "
+                     "fresh)")
     if run.save:
         flags += ["--save", run.save, "--save-interval", str(run.sizes.steps)]
         notes.append(f"saves its weights after iteration {run.sizes.steps}")
-        if example.parser_has(run.tree, "--no-save-optim"):
-            flags += ["--no-save-optim"]
-            notes.append("--no-save-optim (runs that load the checkpoint start their optimizer fresh)")
     if run.load:
         flags += ["--load", run.load, "--finetune", "--no-load-optim", "--no-load-rng"]
         notes.append("starts from a checkpoint's weights (--finetune --no-load-optim --no-load-rng): "
