@@ -16,6 +16,7 @@ from megaport.train import example, plan, pretrain, torchrun
 from megaport.train.checks import registry as checks
 from megaport.train.layouts import registry as layouts
 from megaport.train.layouts.spec import Layout
+from megaport.train.families import spec as spec_module
 
 
 def _tree(tmp_path, parser_flags: list, script: str | None = None):
@@ -147,6 +148,15 @@ def test_dist_checkpoints_build_mcore_models_where_the_era_builds_legacy_ones_by
     for kind in ("save", "load"):
         assert ("--use-mcore-models" in _command(tree, **{kind: "/ck"}).argv) is mcore
     assert "--use-mcore-models" not in _command(tree).argv
+
+
+def test_mcore_models_of_a_legacy_default_era_take_half_the_heads_as_query_groups(tmp_path):
+    tree = _tree(tmp_path, ["--use-dist-ckpt", "--use-mcore-models", "--num-query-groups", *LLAMA_FLAGS])
+    legacy = tmp_path / "tree" / "megatron" / "legacy" / "model" / "transformer.py"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text("        " + spec_module._LEGACY_GQA_VIEW + "\n")
+    assert example.flag_value(_command(tree).argv, "--num-query-groups") == "1"
+    assert example.flag_value(_command(tree, load="/ck").argv, "--num-query-groups") == "2"
 
 
 def test_zero1_over_two_data_parallel_ranks_is_the_deepspeed_forks_alone(tmp_path):

@@ -138,6 +138,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
     flags += _layout_flags(run, notes) + _checkpoint_flags(run, notes)
+    flags += _mcore_query_groups(run, flags, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
@@ -163,6 +164,20 @@ def legacy_models_by_default(tree: str) -> bool:
     """Whether the era builds legacy models unless told ``--use-mcore-models`` (core 0.5 to 0.6;
     from 0.7 Megatron Core's are the default and ``--use-legacy-models`` asks for the others)."""
     return example.parser_has(tree, "--use-mcore-models") and not example.parser_has(tree, "--use-legacy-models")
+
+
+def _mcore_query_groups(run: Run, flags: list, notes: list) -> list:
+    """Where a run of an era that builds legacy models by default builds Megatron Core's
+    (``--use-mcore-models``), its query groups need not be the one the legacy view takes
+    (:func:`megaport.train.families.spec.query_groups`): half the heads, which a tensor-parallel
+    split divides."""
+    if not (legacy_models_by_default(run.tree) and "--use-mcore-models" in flags
+            and example.flag_value(flags, "--num-query-groups") == "1"):
+        return []
+    groups = max(1, run.sizes.heads // 2)
+    notes.append(f"--num-query-groups {groups} (Megatron Core's attention takes half the heads as groups; one was for "
+                 "the legacy model's view)")
+    return ["--num-query-groups", str(groups)]
 
 
 def _checkpoint_flags(run: Run, notes: list) -> list:
