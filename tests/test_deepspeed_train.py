@@ -88,6 +88,16 @@ def test_fork_example_is_the_script_shrunk_with_zero_stage_1(tmp_path):
     assert written["fp16"] == {"enabled": True, "initial_scale_power": 12}  # the script's, kept
 
 
+def test_a_layouts_micro_batch_and_pipeline_stages_reach_deepspeeds_engine(tmp_path):
+    tree = fork_tree(tmp_path / "tree")
+    sizes = example.Sizes(batch=2)
+    fork = deepspeed_example.fork_example(str(tree), str(tmp_path), sizes, micro_batch=1, pipeline=True)
+    written = json.loads((tmp_path / "ds_config.json").read_text())
+    assert written["train_batch_size"] == 2 and written["train_micro_batch_size_per_gpu"] == 1
+    assert "--no-pipeline-parallel" not in fork.deepspeed and "--deepspeed" in fork.deepspeed
+    assert any("--no-pipeline-parallel left out" in note for note in fork.notes)
+
+
 def test_megatron_engine_leaves_the_deepspeed_flags_out(tmp_path):
     tree = fork_tree(tmp_path / "tree", layout="examples")
     fork = deepspeed_example.fork_example(str(tree), str(tmp_path), example.Sizes(), engine="megatron")

@@ -16,6 +16,7 @@ from megaport.train import example, plan, pretrain, torchrun
 from megaport.train.checks import registry as checks
 from megaport.train.layouts import registry as layouts
 from megaport.train.layouts.spec import Layout
+from megaport.train.families import spec as spec_module
 
 
 def _tree(tmp_path, parser_flags: list, script: str | None = None):
@@ -70,6 +71,21 @@ def test_expert_layouts_need_a_model_with_experts(tmp_path):
     assert absent[0].family == "llama" and absent[0].why == "the model has no experts to split"
 
 
+def test_grouped_gemm_experts_that_write_no_distributed_checkpoint_share_one_initialisation(tmp_path):
+    from megaport.train.checks import one_rank
+
+    tree = _tree(tmp_path, ["--use-dist-ckpt", "--expert-model-parallel-size", "--num-experts", "--moe-grouped-gemm",
+                            *LLAMA_FLAGS],
+                 script="ARGS=(--num-experts 8 --moe-grouped-gemm --normalization RMSNorm)\n")
+    assert one_rank._unsaved(tree, "mixtral") is None
+    experts = os.path.join(tree, "megatron", "core", "transformer", "moe", "experts.py")
+    os.makedirs(os.path.dirname(experts))
+    with open(experts, "w") as f:
+        f.write("raise NotImplementedError('Currently distributed checkpointing is not supported for GroupedMLP')\n")
+    assert "GroupedMLP" in one_rank._unsaved(tree, "mixtral")
+    assert one_rank._unsaved(tree, "llama") is None
+
+
 def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):
     tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
     runs, _ = plan.plan(tree, [layouts.get("tp2"), layouts.get("tp2-sp")], checks.select(None), models=["llama"])
@@ -116,6 +132,38 @@ def test_checkpoint_flags_start_from_weights_only_in_the_distributed_format(tmp_
     for flag in ("--finetune", "--no-load-optim", "--no-load-rng"):
         assert flag in loaded
     assert loaded[loaded.index("--ckpt-format") + 1] == "torch_dist"
+
+
+def test_checkpoints_hold_weights_only_where_the_parser_can_say_so(tmp_path):
+    tree = _tree(tmp_path, ["--ckpt-format", "--no-save-optim", *LLAMA_FLAGS])
+    assert "--no-save-optim" in _command(tree, save="/ck").argv and "--no-save-optim" in _command(tree, load="/ck").argv
+    assert "--no-save-optim" not in _command(tree).argv
+
+
+@pytest.mark.parametrize("parser, mcore", [(["--use-dist-ckpt", "--use-mcore-models"], True),
+                                           (["--use-dist-ckpt", "--use-mcore-models", "--use-legacy-models"], False),
+                                           (["--ckpt-format", "--use-dist-ckpt", "--use-legacy-models"], False)])
+def test_dist_checkpoints_build_mcore_models_where_the_era_builds_legacy_ones_by_default(tmp_path, parser, mcore):
+    tree = _tree(tmp_path, [*parser, *LLAMA_FLAGS])
+    for kind in ("save", "load"):
+        assert ("--use-mcore-models" in _command(tree, **{kind: "/ck"}).argv) is mcore
+    assert "--use-mcore-models" not in _command(tree).argv
+
+
+def test_mcore_models_of_a_legacy_default_era_take_half_the_heads_as_query_groups(tmp_path):
+    tree = _tree(tmp_path, ["--use-dist-ckpt", "--use-mcore-models", "--num-query-groups", *LLAMA_FLAGS])
+    legacy = tmp_path / "tree" / "megatron" / "legacy" / "model" / "transformer.py"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text("        " + spec_module._LEGACY_GQA_VIEW + "\n")
+    assert example.flag_value(_command(tree).argv, "--num-query-groups") == "1"
+    assert example.flag_value(_command(tree, load="/ck").argv, "--num-query-groups") == "2"
+
+
+def test_zero1_over_two_data_parallel_ranks_is_the_deepspeed_forks_alone(tmp_path):
+    dp2 = layouts.get("dp2-zero1")
+    assert dp2.micro_batch == 1 and "gpt" in dp2.families
+    assert dp2.present(_tree(tmp_path / "up", LLAMA_FLAGS), []) == "the era's parser has no --zero-stage"
+    assert dp2.present(_tree(tmp_path / "fork", ["--zero-stage", *LLAMA_FLAGS]), []) is None
 
 
 def test_a_layout_that_needs_more_layers_gives_them_to_both_sides():

@@ -1117,6 +1117,49 @@ def test_t5s_sentinel_tokens_survive_todays_transformers(rp, tiny_megatron):
     assert wrapper.HuggingFaceTokenizer("bert-large-cased").additional_special_tokens_ids == []
 
 
+def test_core_05_to_08s_save_planner_learns_it_is_the_coordinator_on_todays_torch(rp, tiny_megatron):
+    """core 0.5 … 0.8 pass is_coordinator second, where torch 2.4 put storage_meta: every rank then
+    wrote its sharded objects twice and saving died of 'item.index.fqn not in md'."""
+    tiny_megatron({"megatron/core/dist_checkpointing/strategies/torch.py": (
+        "from torch.distributed.checkpoint.default_planner import DefaultSavePlanner\n\n\n"
+        "class MCoreSavePlanner(DefaultSavePlanner):\n    pass\n")})
+    module = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+    planner = module.MCoreSavePlanner()
+    planner.set_up_planner({}, True)  # what core 0.6's state_dict_saver calls
+    assert planner.is_coordinator is True
+    planner.set_up_planner({}, is_coordinator=False)  # core 0.9 on
+    assert planner.is_coordinator is False
+
+
+def test_core_05_to_012s_async_writer_calls_todays_write_item(rp, tiny_megatron, tmp_path):
+    """core 0.5 … 0.12 call torch's private _write_item without the transforms and serialization
+    format today's torch takes; every writer process died of a TypeError."""
+    tiny_megatron({"megatron/core/dist_checkpointing/strategies/filesystem_async.py": (
+        "from torch.distributed.checkpoint.filesystem import _write_item\n\n\n"
+        "def write(stream, data, write_item, storage_key):\n"
+        "    return _write_item(stream, data, write_item, storage_key)\n")})
+    module = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+    import io
+    stream = io.BytesIO()
+    result = module.write(stream, io.BytesIO(b"abc"), WriteItem(MetadataIndex("x"), WriteItemType.BYTE_IO), "k")
+    assert result.storage_data.relative_path == "k" and stream.getvalue() == b"abc"
+
+
+def test_megatrons_own_checkpoints_load_whole_on_todays_torch(rp, tiny_megatron, tmp_path):
+    """torch 2.6's weights_only default refused the Namespace Megatron pickles in its checkpoints."""
+    import argparse
+
+    tiny_megatron({"megatron/core/dist_checkpointing/serialization.py": (
+        "import torch\n\n\ndef load_common(path):\n    return torch.load(path, map_location='cpu')\n")})
+    module = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    path = tmp_path / "common.pt"
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2)}, path)
+    assert module.load_common(path)["args"].tensor_model_parallel_size == 2
+    assert module.torch.Tensor is torch.Tensor and torch.load.__name__ == "load"
+
+
 def test_local_multi_tensor_fallbacks_become_the_ports_amp_c(rp, tiny_megatron, monkeypatch):
     """Without TE and apex, clip_grads' local fallbacks (bf16 norms in bf16) give way to the port's."""
     monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)

@@ -90,9 +90,14 @@ def config_template(text: str) -> dict:
         return {}
 
 
-def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "deepspeed") -> ForkExample | None:
+def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "deepspeed", *,
+                 micro_batch: int | None = None, pipeline: bool = False) -> ForkExample | None:
     """The fork's example for a run in ``workdir`` (its DeepSpeed config is written there), or None
-    when ``tree`` is not a fork tree with the script."""
+    when ``tree`` is not a fork tree with the script. ``micro_batch``: a layout's micro-batch (data
+    parallel ranks each take whole micro-batches of the run's global batch; DeepSpeed's config says
+    both, and DeepSpeed derives gradient accumulation from them and the data-parallel ranks);
+    ``pipeline``: the layout has pipeline stages, which the fork trains through DeepSpeed's
+    pipeline engine (the example's ``--no-pipeline-parallel`` left out)."""
     rel = script_path(tree) if is_deepspeed_tree(tree) else None
     if rel is None:
         return None
@@ -127,11 +132,15 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
             values = [config_file]
         elif flag == "--zero-stage":
             values = [str(ZERO_STAGE)]
+        elif flag == "--no-pipeline-parallel" and pipeline:
+            notes.append("--no-pipeline-parallel left out: the layout's pipeline stages run on DeepSpeed's pipeline "
+                         "engine (the fork's GPTModelPipe)")
+            continue
         out += [flag, *values]
     if not stage_given:
         out += ["--zero-stage", str(ZERO_STAGE)]
     run_config = dict(config)
-    run_config.update(train_batch_size=sizes.batch, train_micro_batch_size_per_gpu=sizes.batch)
+    run_config.update(train_batch_size=sizes.batch, train_micro_batch_size_per_gpu=micro_batch or sizes.batch)
     run_config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": ZERO_STAGE}
     run_config["steps_per_print"] = max(int(config.get("steps_per_print", 1)), sizes.steps + 1)
     run_config["wall_clock_breakdown"] = False

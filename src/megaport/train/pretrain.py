@@ -102,7 +102,10 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     from megaport.train.families import registry
 
     family = registry.get(run.family)
-    fork = deepspeed_example.fork_example(run.tree, workdir, run.sizes, run.engine) if family.fork_example else None
+    layout = layouts.get(run.layout)
+    fork = deepspeed_example.fork_example(
+        run.tree, workdir, run.sizes, run.engine, micro_batch=layout.micro_batch,
+        pipeline="--pipeline-model-parallel-size" in layout.flags) if family.fork_example else None
     if fork is not None:
         tokens, notes = fork.tokens, list(fork.notes)
     else:
@@ -135,6 +138,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
     flags += _layout_flags(run, notes) + _checkpoint_flags(run, notes)
+    flags += _mcore_query_groups(run, flags, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
@@ -156,15 +160,47 @@ def _layout_flags(run: Run, notes: list) -> list:
     return flags
 
 
+def legacy_models_by_default(tree: str) -> bool:
+    """Whether the era builds legacy models unless told ``--use-mcore-models`` (core 0.5 to 0.6;
+    from 0.7 Megatron Core's are the default and ``--use-legacy-models`` asks for the others)."""
+    return example.parser_has(tree, "--use-mcore-models") and not example.parser_has(tree, "--use-legacy-models")
+
+
+def _mcore_query_groups(run: Run, flags: list, notes: list) -> list:
+    """Where a run of an era that builds legacy models by default builds Megatron Core's
+    (``--use-mcore-models``), its query groups need not be the one the legacy view takes
+    (:func:`megaport.train.families.spec.query_groups`): half the heads, which a tensor-parallel
+    split divides."""
+    if not (legacy_models_by_default(run.tree) and "--use-mcore-models" in flags
+            and example.flag_value(flags, "--num-query-groups") == "1"):
+        return []
+    groups = max(1, run.sizes.heads // 2)
+    notes.append(f"--num-query-groups {groups} (Megatron Core's attention takes half the heads as groups; one was for "
+                 "the legacy model's view)")
+    return ["--num-query-groups", str(groups)]
+
+
 def _checkpoint_flags(run: Run, notes: list) -> list:
     """Where the run saves its weights and what it starts from, in the era's checkpoint format:
-    upstream's distributed format where the parser has it (it reshards to any layout)."""
+    upstream's distributed format where the parser has it (it reshards to any layout). Core 0.5 to
+    0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
+    without it: there every side of the comparison builds Megatron Core's model. A checkpoint
+    holds weights only (``--no-save-optim``, on the loading side too: core 0.5-0.6 read the optimizer
+    back unless it says so): every run that loads one starts its optimizer fresh."""
     flags = []
     if run.save or run.load:
         if example.parser_has(run.tree, "--ckpt-format"):
             flags += ["--ckpt-format", "torch_dist"]
         elif example.parser_has(run.tree, "--use-dist-ckpt"):
             flags += ["--use-dist-ckpt"]
+            if legacy_models_by_default(run.tree):
+                flags += ["--use-mcore-models"]
+                notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
+    if (run.save or run.load) and example.parser_has(run.tree, "--no-save-optim"):
+        # also where it loads: core 0.5-0.6 build the state dict they load from with this same flag
+        flags += ["--no-save-optim"]
+        notes.append("--no-save-optim (the checkpoint holds weights only: runs that load it start their optimizer "
+                     "fresh)")
     if run.save:
         flags += ["--save", run.save, "--save-interval", str(run.sizes.steps)]
         notes.append(f"saves its weights after iteration {run.sizes.steps}")

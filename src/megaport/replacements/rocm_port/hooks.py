@@ -13,7 +13,10 @@ from .attention import _sdpa_in_dot_product_attention, _sdpa_in_legacy_core_atte
 from .blocker import install_import_blocker
 from .era import TRANSFORMER_ENGINE_IMPORTS_GUARDED
 from .target_stack import (
+    _async_writer_calls_todays_write_item,
     _both_resize_names,
+    _checkpoints_load_as_they_were_saved,
+    _save_planner_takes_coordinator_by_name,
     _sentinel_tokens_kept,
     _zero_takes_port_fused_adam,
     fp16_optimizers_answer_cur_scale,
@@ -58,6 +61,13 @@ _AFTER_IMPORT_TARGET_STACK = {
     "megatron.model.vision.utils": _both_resize_names,
     "megatron.model.vision.inpainting": _both_resize_names,
     "megatron.core.tokenizers.text.libraries.huggingface_tokenizer": _sentinel_tokens_kept,
+    "megatron.core.dist_checkpointing.strategies.torch": (_save_planner_takes_coordinator_by_name,
+                                                          _checkpoints_load_as_they_were_saved),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": _async_writer_calls_todays_write_item,
+    **{name: _checkpoints_load_as_they_were_saved for name in (
+        "megatron.core.dist_checkpointing.serialization", "megatron.core.dist_checkpointing.strategies.common",
+        "megatron.training.checkpointing",
+        "megatron.checkpointing")},
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

@@ -128,6 +128,89 @@ def _both_resize_names(module) -> None:
                 setattr(module, name, function)
 
 
+def _save_planner_takes_coordinator_by_name(module) -> None:
+    """Core 0.5 … 0.8's distributed checkpoint saver calls ``planner.set_up_planner(state_dict,
+    is_coordinator)`` positionally; torch 2.4 put ``storage_meta`` second, so every rank takes
+    itself for a non-coordinator and ``MCoreSavePlanner`` adds the coordinator's sharded objects
+    (RNG state, extra states) a second time: saving dies with torch's ``item.index.fqn not in md``.
+    As upstream's b972e895a4 (core 0.9) does, a lone positional flag is passed by name; a tree
+    that passes it by name, or a torch without ``storage_meta``, is left as it is."""
+    planner = getattr(module, "MCoreSavePlanner", None)
+    set_up = getattr(planner, "set_up_planner", None)
+    if set_up is None or "storage_meta" not in inspect.signature(set_up).parameters:
+        return
+
+    @functools.wraps(set_up)
+    def set_up_planner(self, state_dict, *args, **kwargs):
+        if len(args) == 1 and isinstance(args[0], bool) and "is_coordinator" not in kwargs:
+            args, kwargs = (), {**kwargs, "is_coordinator": args[0]}
+        return set_up(self, state_dict, *args, **kwargs)
+
+    planner.set_up_planner = set_up_planner
+
+
+def _async_writer_calls_todays_write_item(module) -> None:
+    """Core 0.5 … 0.12's asynchronous checkpoint writer calls torch's private ``_write_item`` as
+    torch 2.3 had it; torch 2.6 put the writer's stream transforms first and 2.7 added a
+    serialization format, so every writer process dies of a TypeError and saving of 'Incomplete
+    worker results'. As core 0.13 does, the call gets today's arguments: no transforms (a
+    ``_StorageWriterTransforms()`` without extensions) and torch.save's format; a tree that
+    passes them itself (core 0.13 on) is left as it is."""
+    original = getattr(module, "_write_item", None)
+    if original is None:
+        return
+    try:
+        if "serialization_format" in inspect.getsource(module):
+            return
+    except (OSError, TypeError):
+        return
+    from torch.distributed.checkpoint import filesystem
+
+    parameters = list(inspect.signature(original).parameters)
+    transforms = getattr(filesystem, "_StorageWriterTransforms", None)
+    if not (parameters and parameters[0] == "transforms" and transforms) and "serialization_format" not in parameters:
+        return
+
+    @functools.wraps(original)
+    def _write_item(*args, **kwargs):
+        if parameters[0] == "transforms" and transforms and not isinstance(args[0], transforms):
+            args = (transforms(), *args)
+        if "serialization_format" in parameters and "serialization_format" not in kwargs \
+                and len(args) < len(parameters):
+            kwargs["serialization_format"] = filesystem.SerializationFormat.TORCH_SAVE
+        return original(*args, **kwargs)
+
+    module._write_item = _write_item
+
+
+class _TorchLoadingItsOwnCheckpoints(types.ModuleType):
+    """torch, but ``load`` unpickles whole objects unless told otherwise (torch < 2.6's default)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(*args, **kwargs):
+        kwargs.setdefault("weights_only", False)
+        return torch.load(*args, **kwargs)
+
+
+def _checkpoints_load_as_they_were_saved(module) -> None:
+    """torch 2.6 made ``weights_only=True`` torch.load's default; Megatron's checkpoints (core
+    0.5 … 0.9's distributed ones among them) pickle the run's argparse Namespace and more, so
+    loading one died of 'Weights only load failed'. As upstream itself later passes
+    ``weights_only=False`` for the checkpoints it wrote, the module's ``torch.load`` does so
+    unless told otherwise; a module that says ``weights_only`` itself is left as it is."""
+    if getattr(module, "torch", None) is not torch or "weights_only" not in inspect.signature(torch.load).parameters:
+        return
+    try:
+        if "weights_only" in inspect.getsource(module):
+            return
+    except (OSError, TypeError):
+        return
+    module.torch = _TorchLoadingItsOwnCheckpoints("torch", torch.__doc__)
+
+
 def _sentinel_tokens_kept(module) -> None:
     """Core 0.14 … 2026-05's HuggingFaceTokenizer reads T5's sentinel tokens back through the
     names transformers lists in ``SPECIAL_TOKENS_ATTRIBUTES``, which no longer holds

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import threading
 
-from megaport.train import example, parity, pretrain
+from megaport.train import example, parity, pretrain, tree_files
 from megaport.train.checks.spec import Check, Context
 from megaport.train.layouts import registry as layouts
 
@@ -63,7 +63,12 @@ def base_run(context: Context, family: str, layout, mode: str = "ported") -> pre
 def _once(key, make):
     with _LOCK:
         if key not in _SHARED:
-            _SHARED[key] = make()
+            try:
+                _SHARED[key] = make()
+            except RuntimeError as exc:  # what shares it fails of the first cause, not of a rerun's
+                _SHARED[key] = exc
+        if isinstance(_SHARED[key], RuntimeError):
+            raise _SHARED[key]
         return _SHARED[key]
 
 
@@ -71,14 +76,36 @@ def _key(context: Context, run: pretrain.Run) -> tuple:
     return (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
 
 
+#: what core 0.5 … 0.7's GroupedMLP says for a distributed checkpoint, which it cannot write
+_GROUPED_MLP_UNSAVED = "distributed checkpointing is not supported for GroupedMLP"
+
+
+def _unsaved(tree: str, family: str) -> str | None:
+    """Why one rank of ``family`` cannot write a checkpoint every layout loads on ``tree``; None where it can."""
+    if not reshards(tree):
+        return "this era's checkpoints do not reshard"
+    from megaport.train.families import registry
+
+    if "--moe-grouped-gemm" in registry.get(family).flags(tree)[0] and tree_files.tree_says(
+            tree, "megatron/core/transformer/moe/experts.py", _GROUPED_MLP_UNSAVED):
+        return "this era's grouped-GEMM experts (GroupedMLP) write no distributed checkpoint"
+    return None
+
+
 def shared_start(context: Context, run: pretrain.Run) -> Start:
     """Where every layout of ``run``'s family and sizes starts, made once a session: one rank's
-    checkpoint (written here) where the era reshards it, else ``--use-cpu-initialization``'s weights."""
+    checkpoint (written here) where the era can write one every layout loads, else
+    ``--use-cpu-initialization``'s weights."""
     def make() -> Start:
-        if not reshards(context.tree):
-            why = ("every layout draws one initialisation: this era's checkpoints do not reshard, and on the CPU the "
-                   "full weights are drawn once, then split")
-            return Start(extra=((("--use-cpu-initialization",), why),))
+        unsaved = _unsaved(context.tree, run.family)
+        if unsaved:
+            why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn "
+                   "once, then split")
+            extra = ((("--use-cpu-initialization",), why),)
+            if reshards(context.tree) and pretrain.legacy_models_by_default(context.tree):
+                extra += ((("--use-mcore-models",), "the family's experts are Megatron Core's, which this era builds "
+                           "only when told"),)
+            return Start(extra=extra)
         folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_SHARED)}")
         pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
                                                   save=folder), context.env)

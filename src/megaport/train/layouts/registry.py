@@ -27,6 +27,11 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("dp2-distopt", "2 data-parallel ranks, distributed optimizer, overlapped grad reduce and param gather",
            Ranks(2), ("--use-distributed-optimizer",),
            optional=(("--overlap-grad-reduce",), ("--overlap-param-gather",)), micro_batch=1, families=("llama",)),
+    # The DeepSpeed fork's GPT trains through DeepSpeed's engine, whose ZeRO stage 1 partitions the
+    # optimizer over the data-parallel ranks: the fork's distributed optimizer (--zero-stage is the
+    # fork's flag; upstream's parser has none, so upstream trains dp2-distopt instead)
+    Layout("dp2-zero1", "2 data-parallel ranks, DeepSpeed's ZeRO stage 1 partitioning the optimizer over them",
+           Ranks(2), ("--zero-stage", "1"), micro_batch=1, families=("gpt",)),
     Layout("tp2-recompute", "tensor parallel over 2 ranks, full activation recomputation", Ranks(2),
            TP2 + ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
            families=("gpt",)),
