@@ -137,18 +137,17 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
-    flags += _layout_flags(run, notes) + _checkpoint_flags(run, notes)
+    flags += _layout_flags(run, layout, notes) + _checkpoint_flags(run, notes)
     flags += _mcore_query_groups(run, flags, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
-    first, *others = torchrun.node_commands(layouts.get(run.layout).ranks, target, port=port)
+    first, *others = torchrun.node_commands(layout.ranks, target, port=port)
     return Command(first, run.tree, described, notes, data_env, others)
 
 
-def _layout_flags(run: Run, notes: list) -> list:
+def _layout_flags(run: Run, layout, notes: list) -> list:
     """The layout's flags (and the micro-batch it needs), given after everything else; said once."""
-    layout = layouts.get(run.layout)
     if layout is layouts.ONE_RANK:
         return []
     flags = layout.flags_for(run.tree)
@@ -288,8 +287,7 @@ def environment(tree: str, base: dict | None = None) -> dict:
     """The run's environment: the tree first on PYTHONPATH, upstream's scripts' own settings, and
     this interpreter's folders first on PATH, so upstream's dataset-helper Makefile builds for it
     (it calls ``python3`` and ``python3-config``, which a venv lacks)."""
-    env = dict(os.environ if base is None else base)
-    env = with_paths_first(env, tree)
+    env = with_paths_first(base, tree)
     folders = [os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or ""]
     env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PATH=os.pathsep.join([f for f in folders if f] + [env.get("PATH", "")]))
     return deepspeed_fork.accelerator_env(tree, env)

@@ -33,8 +33,8 @@ STEPS = 30
 INIT_STEPS = 2
 
 _LOCK = threading.Lock()
-#: what one session shares: (tree, device, family, sizes) -> the shared start; + "one-rank" -> the
-#: one-rank run from it; + layout -> the layout's run from it
+#: what one session shares: (tree, device, family, sizes) -> the shared start; + (layout name,) ->
+#: the ported run in that layout from it (one rank's reference included); a failure is kept too
 _SHARED: dict = {}
 
 
