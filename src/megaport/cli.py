@@ -293,11 +293,12 @@ def lint(patches, fmt):
                    "default: every family the tree has.")
 @click.option("--layouts", metavar="NAMES",
               help="Parallel layouts to train, comma-separated (tp2, tp2-sp, pp2, pp2-vpp, dp2-distopt, "
-                   "tp2-recompute, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
+                   "dp2-zero1, tp2-recompute, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
                    "default: every layout the era has, each with its families.")
 @click.option("--checks", metavar="NAMES",
               help="What each layout is compared with: one-rank (one rank from the same checkpoint), "
-                   "upstream (unported upstream in the same layout); default: both, where they apply.")
+                   "upstream (unported upstream in the same layout), tp-replicas (under sequence parallelism, the "
+                   "TP ranks' copies of the norms stay equal); default: all, where they apply.")
 @handle_errors
 def verify(tree, device, json_file, junit_file, keyword, strict, patches, models, layouts, checks):
     """Run the smoke suite against a ported TREE's own code (default: current directory).

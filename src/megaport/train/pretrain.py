@@ -67,6 +67,9 @@ class Run:
     layout: str = "one-rank"
     #: where the run writes its weights after its last iteration (None: nowhere)
     save: str | None = None
+    #: whether it writes them one file per rank (upstream's legacy ``torch`` format, which keeps
+    #: every rank's copy of a shared weight) rather than in the distributed format (one copy)
+    save_per_rank: bool = False
     #: a checkpoint the run starts from: its weights only, iteration, optimizer and RNG fresh
     #: (upstream's --finetune --no-load-optim --no-load-rng), resharded to the run's layout
     load: str | None = None
@@ -180,21 +183,11 @@ def _mcore_query_groups(run: Run, flags: list, notes: list) -> list:
 
 
 def _checkpoint_flags(run: Run, notes: list) -> list:
-    """Where the run saves its weights and what it starts from, in the era's checkpoint format:
-    upstream's distributed format where the parser has it (it reshards to any layout). Core 0.5 to
-    0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
-    without it: there every side of the comparison builds Megatron Core's model. A checkpoint
-    holds weights only (``--no-save-optim``, on the loading side too: core 0.5-0.6 read the optimizer
-    back unless it says so): every run that loads one starts its optimizer fresh."""
-    flags = []
-    if run.save or run.load:
-        if example.parser_has(run.tree, "--ckpt-format"):
-            flags += ["--ckpt-format", "torch_dist"]
-        elif example.parser_has(run.tree, "--use-dist-ckpt"):
-            flags += ["--use-dist-ckpt"]
-            if legacy_models_by_default(run.tree):
-                flags += ["--use-mcore-models"]
-                notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
+    """Where the run saves its weights and what it starts from, in the era's checkpoint format
+    (:func:`_format_flags`). A checkpoint holds weights only (``--no-save-optim``, on the loading
+    side too: core 0.5-0.6 read the optimizer back unless it says so): every run that loads one
+    starts its optimizer fresh."""
+    flags = _format_flags(run, notes) if (run.save or run.load) else []
     if (run.save or run.load) and example.parser_has(run.tree, "--no-save-optim"):
         # also where it loads: core 0.5-0.6 build the state dict they load from with this same flag
         flags += ["--no-save-optim"]
@@ -202,11 +195,33 @@ def _checkpoint_flags(run: Run, notes: list) -> list:
                      "fresh)")
     if run.save:
         flags += ["--save", run.save, "--save-interval", str(run.sizes.steps)]
-        notes.append(f"saves its weights after iteration {run.sizes.steps}")
+        notes.append(f"saves its weights after iteration {run.sizes.steps}"
+                     + (" one file per rank (--ckpt-format torch)" if run.save_per_rank else ""))
     if run.load:
         flags += ["--load", run.load, "--finetune", "--no-load-optim", "--no-load-rng"]
         notes.append("starts from a checkpoint's weights (--finetune --no-load-optim --no-load-rng): "
                      "iteration, optimizer and RNG fresh")
+    return flags
+
+
+def _format_flags(run: Run, notes: list) -> list:
+    """The era's checkpoint format: upstream's distributed one where the parser has it (it reshards
+    to any layout), or, for a run that saves one file per rank (and loads nothing: upstream main
+    builds the state dict it loads in the format it saves), the legacy ``torch`` format. Core 0.5
+    to 0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
+    without it: there every side of the comparison builds Megatron Core's model."""
+    if run.save and run.save_per_rank:
+        if run.load:
+            raise ValueError("a run that saves one file per rank starts from its own initialisation")
+        return ["--ckpt-format", "torch"] if example.parser_has(run.tree, "--ckpt-format") else []
+    if example.parser_has(run.tree, "--ckpt-format"):
+        return ["--ckpt-format", "torch_dist"]
+    if not example.parser_has(run.tree, "--use-dist-ckpt"):
+        return []
+    flags = ["--use-dist-ckpt"]
+    if legacy_models_by_default(run.tree):
+        flags += ["--use-mcore-models"]
+        notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
     return flags
 
 

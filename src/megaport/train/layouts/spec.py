@@ -46,6 +46,12 @@ class Layout:
     #: with one rank is the layout's yardstick
     upstream_runs: bool = True
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether its tensor-parallel ranks each run the norms on their own part of the sequence,
+        so the weights they share get partial gradients until the ranks all-reduce them."""
+        return "--sequence-parallel" in self.flags
+
     def present(self, tree: str, family_flags: list) -> str | None:
         """Why the layout cannot run on ``tree`` with a family of ``family_flags``; None where it can."""
         if self.experts and "--num-experts" not in family_flags:
