@@ -189,6 +189,20 @@ def test_a_layouts_flags_come_last_so_they_win_over_the_shrunk_one_rank_flags(tm
     assert any(note.startswith("layout two-nodes:") for note in cmd.notes)
 
 
+def test_runs_compared_across_layouts_pad_the_vocabulary_alike(tmp_path):
+    """Upstream pads to its divisor x the TP size: one rank's 384 rows for 257 tokens are 512 at
+    TP2, and core 0.6's checkpoint of one does not load in the other."""
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", *LLAMA_FLAGS])
+    sizes = example.Sizes(steps=5, vocab_multiple=layouts.VOCAB_MULTIPLE)
+    divisor = {}
+    for layout in ("one-rank", "tp2", "pp2"):
+        argv = pretrain.command(pretrain.Run(tree=tree, sizes=sizes, family="llama", layout=layout), tree).argv
+        tp = int(layouts.get(layout).tensor_parallel)
+        divisor[layout] = int(argv[len(argv) - 1 - argv[::-1].index("--make-vocab-size-divisible-by") + 1]) * tp
+    assert set(divisor.values()) == {layouts.VOCAB_MULTIPLE} == {256}
+    assert "--make-vocab-size-divisible-by" not in _command(tree).argv  # a run compared with none keeps upstream's
+
+
 def test_checkpoint_flags_start_from_weights_only_in_the_distributed_format(tmp_path):
     tree = _tree(tmp_path, ["--ckpt-format", *LLAMA_FLAGS])
     saved = _command(tree, save="/ck").argv

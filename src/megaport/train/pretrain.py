@@ -140,7 +140,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
-    flags += _layout_flags(run, layout, notes) + _checkpoint_flags(run, notes)
+    flags += _layout_flags(run, layout, notes) + _vocab_padding(run, layout, notes) + _checkpoint_flags(run, notes)
     flags += _mcore_query_groups(run, flags, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
@@ -160,6 +160,18 @@ def _layout_flags(run: Run, layout, notes: list) -> list:
     where = f"{ranks.per_node} ranks" if ranks.nodes == 1 else f"{ranks.nodes} nodes of {ranks.per_node} rank(s)"
     notes.append(f"layout {layout.name}: {layout.summary}, {where} ({' '.join(flags)})")
     return flags
+
+
+def _vocab_padding(run: Run, layout, notes: list) -> list:
+    """The padded vocabulary's multiple, whatever the run's TP size, where the run is compared
+    with runs in other layouts (``sizes.vocab_multiple``): upstream pads to its divisor times the
+    TP size, and one checkpoint's embedding must load in every layout."""
+    if not run.sizes.vocab_multiple:
+        return []
+    divisor = run.sizes.vocab_multiple // layout.tensor_parallel
+    notes.append(f"--make-vocab-size-divisible-by {divisor} (the vocabulary padded to a multiple of "
+                 f"{run.sizes.vocab_multiple} in every layout compared)")
+    return ["--make-vocab-size-divisible-by", str(divisor)]
 
 
 def legacy_models_by_default(tree: str) -> bool:

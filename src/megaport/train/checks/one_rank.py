@@ -57,7 +57,8 @@ class Start:
 
 def base_run(context: Context, family: str, layout, mode: str = "ported") -> pretrain.Run:
     run = parity.parity_run(context.tree, mode, gpu=context.gpu, family=family)
-    return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=STEPS))
+    return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=STEPS,
+                                                              vocab_multiple=layouts.VOCAB_MULTIPLE))
 
 
 def _once(key, make):

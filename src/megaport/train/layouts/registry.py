@@ -53,6 +53,13 @@ LAYOUTS = {layout.name: layout for layout in (
 )}
 
 
+#: upstream pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) times the TP
+#: size; runs compared across layouts pad to this multiple whatever their TP size, so one checkpoint's
+#: embedding loads in every layout (core 0.6-0.7 refuse the 384 rows one rank pads 257 tokens to
+#: where TP2 has 512)
+VOCAB_MULTIPLE = 128 * max(layout.tensor_parallel for layout in LAYOUTS.values())
+
+
 def get(name: str) -> Layout:
     """The layout called ``name``; a one-line error listing the known ones otherwise."""
     if name == ONE_RANK.name:

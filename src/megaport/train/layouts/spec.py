@@ -47,6 +47,12 @@ class Layout:
     upstream_runs: bool = True
 
     @property
+    def tensor_parallel(self) -> int:
+        """How many ranks split each layer's weights (``--tensor-model-parallel-size``, else 1)."""
+        value = example.flag_value(list(self.flags), "--tensor-model-parallel-size")
+        return int(value) if value else 1
+
+    @property
     def sequence_parallel(self) -> bool:
         """Whether its tensor-parallel ranks each run the norms on their own part of the sequence,
         so the weights they share get partial gradients until the ranks all-reduce them."""
