@@ -157,6 +157,18 @@ def test_tp_ranks_that_part_on_a_shared_weight_fail_the_check(tmp_path, monkeypa
             assert "final_layernorm" in compared["problems"][0] and "1.0e-03" in compared["problems"][0]
 
 
+def test_a_layout_the_eras_argument_checks_refuse_is_absent_with_why(tmp_path):
+    flags = ["--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage", *LLAMA_FLAGS]
+    vpp = layouts.get("pp2-vpp")
+    assert vpp.present(_tree(tmp_path / "new", flags), LLAMA_FLAGS) is None
+    old = _tree(tmp_path / "old", flags)
+    arguments = os.path.join(old, "megatron", "training", "arguments.py")
+    with open(arguments, "a") as f:
+        f.write("    assert pp > 2, 'pipeline-model-parallel size should be greater than 2 with ' \\\n"
+                "        'interleaved schedule'\n")  # as core 0.6 writes it, over two lines
+    assert "more than 2 pipeline stages" in vpp.present(old, LLAMA_FLAGS)
+
+
 def test_optional_flags_come_where_the_era_has_them(tmp_path):
     dp2 = layouts.get("dp2-distopt")
     assert dp2.flags_for(_tree(tmp_path, ["--use-distributed-optimizer", "--overlap-grad-reduce"])) == [

@@ -45,6 +45,9 @@ class Layout:
     #: layout); where it refuses (its torch norm under SP, its attention under CP), the comparison
     #: with one rank is the layout's yardstick
     upstream_runs: bool = True
+    #: what the era's argument checks say where they refuse the layout: ((text in the parser's
+    #: module, why in words), ...)
+    refused_where: tuple = ()
 
     @property
     def tensor_parallel(self) -> int:
@@ -63,7 +66,9 @@ class Layout:
         if self.experts and "--num-experts" not in family_flags:
             return "the model has no experts to split"
         missing = [f for f in self.flags if f.startswith("--") and not example.parser_has(tree, f)]
-        return f"the era's parser has no {', '.join(missing)}" if missing else None
+        if missing:
+            return f"the era's parser has no {', '.join(missing)}"
+        return next((why for text, why in self.refused_where if text in example.parser_text(tree)), None)
 
     def flags_for(self, tree: str) -> list:
         """The layout's flags, and those of :attr:`optional` the era's parser has."""
