@@ -82,6 +82,7 @@ class DriftSession:
         self._fetch_failed: set[str] = set()  # repositories whose tested shas could not be fetched
         self._is_shallow: Optional[bool] = None
         self._memo: dict = {}
+        self._plans: dict = {}  # apply's patch results, by patch and file contents (plan_series)
         tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
         bases = [sha for sha in dict.fromkeys(tested) if self._has_commit(sha)]
         self.moves = MoveFinder(repo, objects, bases + [t.sha for t in targets])
@@ -116,7 +117,7 @@ class DriftSession:
 
         def plan(series: Series, max_fuzz: int) -> SeriesPlan:
             patches = tuple(item.patch for item in self.loaded(series).patches)
-            return plan_series(series, tree, max_fuzz=max_fuzz, patches=patches)
+            return plan_series(series, tree, max_fuzz=max_fuzz, patches=patches, memo=self._plans)
 
         return plan
 
