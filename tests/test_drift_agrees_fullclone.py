@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support.porting import port
+from support.porting import assert_clean, port
 
 from megaport.cli import main
 
@@ -65,3 +65,12 @@ def check_fuzz_hint(clone: Path, ref: str, error: str, tmp_path: Path) -> None:
         return
     code, report, output = port(clone, ref, tmp_path / "fuzzN", "--dry-run", "--fuzz", hint.group(1))
     assert code == 0 and report["series"] == hint.group(2), output
+
+
+@pytest.mark.parametrize("ref", ["26.04-alpha", "core_r0.19.0", "main"])
+def test_other_lines_port_with_no_fuzz(full_clone, tmp_path, ref):
+    """26.04-alpha sorted common_config.py's imports; the RCCL patch's import is anchored at
+    DistributedInitConfig, not in that list, so it ports as release heads and main do."""
+    code, report, output = port(full_clone, ref, tmp_path / "ported", "--dry-run")
+    assert code == 0, output
+    assert_clean(report)
