@@ -121,13 +121,12 @@ class DriftSession:
 
         return plan
 
-    def check_one(
-        self, target: Target, tree: BlobReader, series: Series, reason: str, *, diagnose: bool = True
-    ) -> SeriesDrift:
+    def check_one(self, target: Target, tree: BlobReader, series: Series, reason: str) -> SeriesDrift:
+        """Every hunk's word for one series on one commit (where conflicts come closest included)."""
         return check_series(
             self.loaded(series), tree, ref=target.ref, sha=target.sha, reason=reason,
             preimage=self.preimages(series), locate_moved=self.locator(series, target.sha),
-            max_fuzz=self.max_fuzz, memo=self._memo, diagnose=diagnose,
+            max_fuzz=self.max_fuzz, memo=self._memo,
         )
 
     def preimages(self, series: Series) -> Callable[[Optional[str]], Optional[bytes]]:
