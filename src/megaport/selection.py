@@ -4,6 +4,7 @@ Core release tags live on release branches, so ancestry cannot place a commit be
 tree itself says where it belongs: the version in ``megatron/core/package_info.py`` and which
 files exist. When that names exactly one series it is checked by a dry run; when it names none or
 several, every candidate is dry-run and the one that fits best wins. The reason is always printed.
+``megaport drift`` asks the same :func:`decide`, so it refuses exactly the trees apply refuses.
 """
 
 from __future__ import annotations
@@ -154,11 +155,15 @@ def decide(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0, planner
     ``max_fuzz`` and why, or the nearest one with apply's one-line refusal. Drift asks this
     rather than ranking its own hunk words, so it never calls a tree fine that apply refuses."""
     plan = planner or _planner(tree)
-    choice = _select(catalogue, tree, lambda series: plan(series, max_fuzz))
+    return _at_fuzz(lambda fuzz: _select(catalogue, tree, lambda series: plan(series, fuzz)), max_fuzz)
+
+
+def _at_fuzz(choose_at: Callable[[int], Choice], max_fuzz: int) -> Choice:
+    """The choice at ``max_fuzz``; a refusal also names the fuzz that would port the tree."""
+    choice = choose_at(max_fuzz)
     if not choice.refusal:
         return choice
-    hint = fuzz_hint(lambda fuzz: _select(catalogue, tree, lambda series: plan(series, fuzz)), max_fuzz)
-    return replace(choice, refusal=choice.refusal + hint)
+    return replace(choice, refusal=choice.refusal + fuzz_hint(choose_at, max_fuzz))
 
 
 def _planner(tree: TreeReader) -> Planner:
@@ -276,15 +281,11 @@ def forced_choice(
     """``--series NAME``: no recognition, but the same dry run, and the same refusal in drift."""
     series = catalogue.get(name)
     plan = planner or _planner(tree)
-    choice = _forced(series, tree, lambda s: plan(s, max_fuzz))
-    if not choice.refusal:
-        return choice
-    hint = fuzz_hint(lambda fuzz: _forced(series, tree, lambda s: plan(s, fuzz)), max_fuzz)
-    return replace(choice, refusal=choice.refusal + hint)
+    return _at_fuzz(lambda fuzz: _forced(series, tree, plan(series, fuzz)), max_fuzz)
 
 
-def _forced(series: Series, tree: TreeReader, plan: Callable[[Series], SeriesPlan]) -> Choice:
-    dry_run = plan(series)
+def _forced(series: Series, tree: TreeReader, dry_run: SeriesPlan) -> Choice:
+    """The named series, refused with the patch and hunk where its dry run stopped."""
     refusal = ""
     if not dry_run.ok:
         commit = getattr(tree, "commit", "")
