@@ -214,9 +214,11 @@ _REPO_OPTION = click.option(
 @click.option("--summary", metavar="FILE", help="Also append the Markdown report to FILE (e.g. $GITHUB_STEP_SUMMARY).")
 @click.option("--fuzz", "max_fuzz", type=click.IntRange(0, 3), default=2, show_default=True,
               help="Most context lines a hunk may ignore to count as 'fuzz' rather than a merge or a conflict.")
+@click.option("--apply-fuzz", "apply_fuzz", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="Judge each ref as 'megaport apply --fuzz N' would: where it refuses, exit 2 with its reason.")
 @_PATCHES_OPTION
 @handle_errors
-def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, patches):
+def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, apply_fuzz, patches):
     """Check how each series fits upstream refs, hunk by hunk, without checking anything out.
 
     \b
@@ -224,14 +226,14 @@ def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, patche
     the patch's preimage works), applied (upstream has it), missing (file gone;
     likely new path given) or conflict (nearest match and similarity given).
     Exit 0 all clean, 1 drift that still applies, 2 a conflict or missing file,
-    3 usage or environment error. docs/drift.md has the JSON shape and CI recipes.
+    or a series 'megaport apply' refuses (same reason), 3 usage or environment error. docs/drift.md has the JSON shape and CI recipes.
     """
     from megaport.commands.drift import drift as run_drift_command
     from megaport.drift.run import DriftOptions
 
     options = DriftOptions(
         repo=repo, refs=tuple(refs), series=tuple(series_names), patches=str(patches) if patches else None,
-        last=last, max_fuzz=max_fuzz,
+        last=last, max_fuzz=max_fuzz, apply_fuzz=apply_fuzz,
     )
     return run_drift_command(options, _console(), fmt=fmt, output=output, summary=summary)
 
