@@ -108,7 +108,7 @@ def lint_catalogue(root: Path) -> list[Problem]:
     problems.extend(Problem(path, f"[[port]] {name} is taken by no series; remove it") for name in ports if name not in taken)
     problems.extend(_check_port_folder(root, ports))
     problems.extend(_check_shared_folder(root, listers))
-    problems.extend(_check_stored_once(root, names, listers))
+    problems.extend(_check_stored_once(root, listers))
     for child in sorted(root.iterdir()):
         if child.name in COMMON_DIRS and child.is_dir():
             continue
@@ -255,7 +255,8 @@ def _strings(value: Any) -> bool:
 
 def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, PortVariant]] = None,
                   listers: Optional[dict[Path, list[str]]] = None) -> list[Problem]:
-    """The series' folder and list; ``listers`` gathers which series list each ``shared/`` file."""
+    """The series' folder and list; ``listers`` gathers which series list each patch of theirs
+    (not the port's)."""
     folder = root / name
     if not folder.is_dir():
         return [Problem(root / CATALOGUE_FILE, f"series '{name}' has no folder {name}/; create it or remove the entry")]
@@ -279,9 +280,8 @@ def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, 
             problems.append(Problem(listing, f"names {item}, which does not exist; fix the name or remove the line", number))
         else:
             listed.append(patch.name)
-            if patch.shared:
-                (listers if listers is not None else {}).setdefault(patch.path, []).append(name)
-            else:
+            (listers if listers is not None else {}).setdefault(patch.path, []).append(name)
+            if not patch.shared:
                 problems.extend(lint_patch(patch.path, entry))
     problems.extend(_check_shared_lines(listing, entry, shared, ports or {}))
     if not listed and not shared and not problems:
@@ -311,13 +311,12 @@ def _check_shared_folder(root: Path, listers: dict[Path, list[str]]) -> list[Pro
     return problems
 
 
-def _check_stored_once(root: Path, names: list[str], listers: dict[Path, list[str]]) -> list[Problem]:
-    """No two patch files are the same patch but for their Upstream-Range trailers: such a patch is
-    stored once, in ``shared/``, and each series lists it there."""
-    files = [path for name in names for path in sorted((root / name).glob("*.patch"))] + list(listers)
+def _check_stored_once(root: Path, listers: dict[Path, list[str]]) -> list[Problem]:
+    """No two listed patch files are the same patch but for their Upstream-Range trailers: such a
+    patch is stored once, in ``shared/``, and each series lists it there."""
     first: dict[bytes, Path] = {}
     problems = []
-    for path in files:
+    for path in listers:
         try:
             body = with_range_trailers(path.read_bytes(), [])
         except MegaportError:
