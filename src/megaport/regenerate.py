@@ -240,8 +240,9 @@ def _remove_stale(catalogue: Catalogue, wanted: set[Path], write: bool) -> list[
     for path in sorted(stale):
         if write:
             path.unlink(missing_ok=True)
-            if path.parent.parent == shared and not any(path.parent.iterdir()):
-                path.parent.rmdir()
+            for folder in (path.parent, shared):  # shared/ and its folders go when emptied
+                if folder.is_relative_to(shared) and folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
         results.append(Regeneration(path.parent.name, path, True, removed=True))
     return results
 
