@@ -72,7 +72,9 @@ class PatchFile:
 
     ``port`` is the folder under ``port/`` of a patch the series shares with others ('base' or a
     variant's name); ``shared`` the folder under ``shared/`` of one of its own patches that other
-    series carry too; both None for a patch in the series' folder."""
+    series carry too; both None for a patch in the series' folder. ``name`` is the file name, but
+    for a ``shared/`` patch the name ``git format-patch`` gives it in this series (its number is
+    its place in the list), which is what reports and ported trees record."""
 
     name: str
     path: Path
@@ -83,9 +85,9 @@ class PatchFile:
     def entry(self) -> str:
         """How the series list names it: the file name, or its path from the series folder."""
         if self.port:
-            return f"../{PORT_DIR}/{self.port}/{self.name}"
+            return f"../{PORT_DIR}/{self.port}/{self.path.name}"
         if self.shared:
-            return f"../{SHARED_DIR}/{self.shared}/{self.name}"
+            return f"../{SHARED_DIR}/{self.shared}/{self.path.name}"
         return self.name
 
     def text(self) -> str:
@@ -368,26 +370,34 @@ def _plain(part: str) -> bool:
     return bool(part) and not part.startswith(".")
 
 
-def entry_patch(folder: Path, entry: str) -> PatchFile | None:
-    """The patch a list entry of the series in ``folder`` names (the file need not exist): a file
-    in the folder, ``../port/<folder>/<file>`` or ``../shared/<folder>/<file>``; None for any
-    other path. The one place a list entry becomes a file, so everything reading a list follows
-    the relative paths alike."""
+def entry_patch(folder: Path, entry: str, place: int) -> PatchFile | None:
+    """The patch the ``place``-th (from 1) list entry of the series in ``folder`` names (the file
+    need not exist): a file in the folder, ``../port/<folder>/<file>`` or
+    ``../shared/<folder>/<file>``; None for any other path. The one place a list entry becomes a
+    file, so everything reading a list follows the relative paths alike."""
     common = common_entry(entry)
     if common:
         top, where, name = common
         path = folder.parent / top / where / name
-        return PatchFile(name=name, path=path, port=where if top == PORT_DIR else None,
-                         shared=where if top == SHARED_DIR else None)
+        if top == PORT_DIR:
+            return PatchFile(name=name, path=path, port=where)
+        return PatchFile(name=_numbered(name, place), path=path, shared=where)
     if "/" in entry or entry.startswith("."):
         return None
     return PatchFile(name=entry, path=folder / entry)
 
 
+def _numbered(name: str, place: int) -> str:
+    """``0006-Subject.patch`` as the ``place``-th patch of a series: ``git format-patch``'s name there."""
+    number, dash, rest = name.partition("-")
+    return f"{place:04d}-{rest}" if dash and len(number) == 4 and number.isdigit() else name
+
+
 def read_list(folder: Path) -> list[tuple[int, str, PatchFile | None]]:
     """(line number, entry, the patch it names or None when it names no allowed place) of each
     entry of the series list in ``folder``."""
-    return [(number, entry, entry_patch(folder, entry)) for number, entry in list_entries(folder / LIST_FILE)]
+    entries = list_entries(folder / LIST_FILE)
+    return [(number, entry, entry_patch(folder, entry, place)) for place, (number, entry) in enumerate(entries, 1)]
 
 
 def rewrite_list(text: str, entries: dict[str, str | None]) -> str:
