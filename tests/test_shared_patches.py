@@ -195,3 +195,13 @@ def test_git_am_gives_the_tree_each_series_gave_with_its_own_copies(variable, se
     now = git_am_tree(Path(location), ref, series.directory, tmp_path / "a")
     assert now == git_am_tree(Path(location), ref, old, tmp_path / "b")
     assert git(tmp_path / "a" / "by-hand", "rev-list", "--count", f"{ref}..HEAD") == str(len(series.patches))
+
+
+def test_a_shared_patch_listed_twice_is_refused(tmp_path):
+    root = two_series(tmp_path / "cat")
+    assert run("regenerate", "--patches", str(root)).exit_code == 0
+    with (root / "two" / "series").open("a") as handle:
+        handle.write("../shared/one/0002-same.patch\n")
+    assert "two/series:4: '../shared/one/0002-same.patch' is listed twice" in run("lint", "--patches", str(root)).output
+    result = run("series", "--patches", str(root))
+    assert result.exit_code == 2 and "names ../shared/one/0002-same.patch twice" in result.output

@@ -434,8 +434,8 @@ def _patch_files(folder: Path, name: str, ports: tuple[PortVariant, ...] = ()) -
         if not patch.path.is_file():
             hint = " (run 'megaport regenerate' to write the [[port]] patches)" if patch.port else ""
             raise MegaportError(f"series '{name}': {LIST_FILE} names {entry}, which does not exist{hint}", exit_code=2)
-        if any(p.name == patch.name for p in patches):
-            raise MegaportError(f"series '{name}': {LIST_FILE} names {patch.name} twice", exit_code=2)
+        if any(p.name == patch.name or p.path == patch.path for p in patches):
+            raise MegaportError(f"series '{name}': {LIST_FILE} names {entry} twice", exit_code=2)
         patches.append(patch)
     if not patches:
         raise MegaportError(f"series '{name}': {listing} lists no patches", exit_code=2)

@@ -77,14 +77,9 @@ def upstream_range(series: Series) -> str:
     return f"{series.tested[0].label}..{series.tested[-1].label}"
 
 
-def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
-    """Set the message's Upstream-Range trailer (the message ends where the diff begins)."""
-    return with_range_trailers(patch_text, [range_text])
-
-
 def with_range_trailers(patch_text: bytes, ranges: list[str]) -> bytes:
-    """Set the message's Upstream-Range trailers, one line per range in order (none: no trailer);
-    a patch several series share names each of their ranges."""
+    """Set the message's Upstream-Range trailers (the message ends where the diff begins), one line
+    per range in order, none for an empty list: a patch several series share names each range."""
     starts = [i for i in (patch_text.find(b"\n---\n"), patch_text.find(b"\ndiff --git ")) if i >= 0]
     if not starts:
         raise MegaportError("patch has no diff")

@@ -264,8 +264,9 @@ def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, 
     if not listing.is_file():
         return [Problem(folder, f"no '{LIST_FILE}' list file; list the patches in order, one per line")]
     problems = []
-    listed: list[str] = []
+    listed: list[Path] = []
     shared: list[tuple[int, str]] = []
+    listers = {} if listers is None else listers
     for number, item, patch in read_list(folder):
         if patch is None:
             problems.append(Problem(listing, f"'{item}' must be a file name in this folder, ../{PORT_DIR}/<folder>/<file> "
@@ -274,21 +275,20 @@ def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, 
             if not patch.path.is_file():
                 problems.append(Problem(listing, f"names {item}, which does not exist; fix the line or run 'megaport regenerate'", number))
             shared.append((number, item))
-        elif patch.name in listed:
+        elif patch.path in listed:
             problems.append(Problem(listing, f"'{item}' is listed twice; remove one line", number))
         elif not patch.path.is_file():
             problems.append(Problem(listing, f"names {item}, which does not exist; fix the name or remove the line", number))
         else:
-            listed.append(patch.name)
-            (listers if listers is not None else {}).setdefault(patch.path, []).append(name)
+            listed.append(patch.path)
+            listers.setdefault(patch.path, []).append(name)
             if not patch.shared:
                 problems.extend(lint_patch(patch.path, entry))
     problems.extend(_check_shared_lines(listing, entry, shared, ports or {}))
     if not listed and not shared and not problems:
         problems.append(Problem(listing, "lists no patches"))
-    own = {item for _, item, patch in read_list(folder) if patch and not patch.port and not patch.shared}
     for stray in sorted(folder.glob("*.patch")):
-        if stray.name not in own:
+        if stray not in listed:
             problems.append(Problem(stray, f"not in {name}/{LIST_FILE}; list it or remove it"))
     return problems
 
