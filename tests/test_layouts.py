@@ -73,19 +73,26 @@ def test_expert_layouts_need_a_model_with_experts(tmp_path):
     assert absent[0].family == "llama" and absent[0].why == "the model has no experts to split"
 
 
-def test_grouped_gemm_experts_that_write_no_distributed_checkpoint_share_one_initialisation(tmp_path):
+def test_grouped_gemm_experts_that_write_no_distributed_checkpoint_are_left_out_of_the_comparison(tmp_path):
+    """Core 0.5-0.7's GroupedMLP writes no distributed checkpoint: every side builds the
+    sequential experts and starts from one rank's checkpoint (from one initialisation, EP2 and one
+    rank differ at their first iteration: each draws its experts its own way)."""
     from megaport.train.checks import one_rank
 
     tree = _tree(tmp_path, ["--use-dist-ckpt", "--expert-model-parallel-size", "--num-experts", "--moe-grouped-gemm",
                             *LLAMA_FLAGS],
                  script="ARGS=(--num-experts 8 --moe-grouped-gemm --normalization RMSNorm)\n")
-    assert one_rank._unsaved(tree, "mixtral") is None
+    assert one_rank._unsaved_experts(tree, "mixtral") == ()
     experts = os.path.join(tree, "megatron", "core", "transformer", "moe", "experts.py")
     os.makedirs(os.path.dirname(experts))
     with open(experts, "w") as f:
         f.write("raise NotImplementedError('Currently distributed checkpointing is not supported for GroupedMLP')\n")
-    assert "GroupedMLP" in one_rank._unsaved(tree, "mixtral")
-    assert one_rank._unsaved(tree, "llama") is None
+    ((flag, why),) = one_rank._unsaved_experts(tree, "mixtral")
+    assert flag == "--moe-grouped-gemm" and "GroupedMLP" in why
+    assert one_rank._unsaved_experts(tree, "llama") == () and one_rank._unsaved(tree) is None
+    start = one_rank.Start(load="/ck", left_out=one_rank._unsaved_experts(tree, "mixtral"))
+    argv = pretrain.command(start.of(pretrain.Run(tree=tree, family="mixtral", sizes=example.Sizes(steps=5))), tree).argv
+    assert "--moe-grouped-gemm" not in argv and "--num-experts" in argv
 
 
 def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):
@@ -323,3 +330,23 @@ def test_a_tree_without_the_entry_point_plans_no_layout_and_says_why(tmp_path):
     os.remove(os.path.join(tree, "pretrain_gpt.py"))
     runs, absent = plan.plan(tree, [layouts.get("tp2")], [checks.CHECKS["one-rank"]], models=["gpt"])
     assert runs == [] and "no pretrain_gpt.py" in absent[0].why
+
+
+def test_the_eras_own_cp_gradient_scale_is_divided_out_of_the_layouts_grad_norm(tmp_path):
+    """Before upstream's 3bdcbbbe5d (2024-09-05) its DDP divided by the data-parallel size without
+    CP while the loss was multiplied by the CP size: measured on a 2024-06 tree, cp2's grad norms
+    were 2.0x one rank's at a loss within 2.2e-4."""
+    from megaport.train.checks import one_rank
+
+    tree = _tree(tmp_path, ["--context-parallel-size", *LLAMA_FLAGS])
+    ddp = os.path.join(tree, "megatron", "core", "distributed", "distributed_data_parallel.py")
+    os.makedirs(os.path.dirname(ddp))
+    with open(ddp, "w") as f:
+        f.write("                data_parallel_world_size = parallel_state.get_data_parallel_world_size()\n")
+    factor, why = one_rank.era_grad_scale(tree, layouts.get("cp2"))
+    assert factor == 2 and "3bdcbbbe5d" in why
+    assert one_rank.era_grad_scale(tree, layouts.get("tp2")) == (1, None)
+    with open(ddp, "w") as f:  # upstream's fix
+        f.write("data_parallel_world_size = parallel_state.get_data_parallel_world_size(\n"
+                "    with_context_parallel=True\n)\n")
+    assert one_rank.era_grad_scale(tree, layouts.get("cp2")) == (1, None)

@@ -63,6 +63,8 @@ class Run:
     data: str | None = None
     # More flags, each group with why it was added: ((flags...), note), ...
     extra: tuple = ()
+    #: the family's flags left out of this run, each with why: ((flag, why), ...)
+    left_out: tuple = ()
     #: how the run is spread over ranks (:mod:`megaport.train.layouts`); "one-rank" by default
     layout: str = "one-rank"
     #: where the run writes its weights after its last iteration (None: nowhere)
@@ -114,7 +116,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     else:
         tokens, source = family.flags(run.tree)
         notes = [f"flags of {source}, changed in size, iterations and data only"]
-        tokens = _family_flags(family, tokens, run.tree, notes)
+        tokens = _family_flags(family, tokens, run.tree, notes, dict(run.left_out))
         if family.deepspeed_config is not None:
             tokens = tokens + family.deepspeed_config(run.tree, workdir, run, notes)
     data, described, data_env = _data(run, family, tokens, workdir, notes)
@@ -280,9 +282,10 @@ def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data
     return data, described, data_env
 
 
-def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
-    """A family's flags for a short run: its added flags, less those it drops (each said in the
-    notes) and, for families other than GPT, less those the era's parser lacks."""
+def _family_flags(family, tokens: list, tree: str, notes: list, left_out: dict) -> list:
+    """A family's flags for a short run: its added flags, less those it or the run (``left_out``)
+    drops (each said in the notes) and, for families other than GPT, less those the era's parser lacks."""
+    dropped = {**family.dropped, **left_out}
     for added, why in family.added:
         present = {t for t in tokens if t.startswith("--")}
         missing = [g for g in example.group_flags(list(added)) if g[0] not in present
@@ -292,8 +295,8 @@ def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
             notes.append(f"{' '.join(f for f, _ in missing)} added ({why})")
     out = []
     for flag, values in example.group_flags(tokens):
-        if flag in family.dropped:
-            notes.append(f"{flag} left out ({family.dropped[flag]})")
+        if flag in dropped:
+            notes.append(f"{flag} left out ({dropped[flag]})")
         elif family.drop_unknown_flags and flag.startswith("--") and not example.parser_has(tree, flag):
             notes.append(f"{flag} left out (this era's parser has no such flag)")
         elif family.drop_unknown_flags and len(values) == 1 and _refused_choice(tree, flag, values[0]):

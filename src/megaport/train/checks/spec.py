@@ -40,5 +40,7 @@ def loss_figures(compared: dict) -> str:
     the loss fell."""
     norms = (f", grad norm {compared['grad_norm_max_relative_difference']:.1e}"
              if compared.get("grad_norm_compared") else "")
+    scale = compared.get("grad_norm_scale")
+    norms += f" (the layout's divided by {scale['factor']}: the era's own scaling)" if scale else ""
     return (f"loss {compared['max_relative_difference']:.1e}{norms} over {len(compared['iterations'])}, "
             f"loss -{compared['loss_drop']:.0%}")
