@@ -295,7 +295,7 @@ def lint(patches, fmt):
                    "default: every family the tree has.")
 @click.option("--layouts", metavar="NAMES",
               help="Parallel layouts to train, comma-separated (tp2, tp2-sp, pp2, pp2-vpp, dp2-distopt, "
-                   "dp2-zero1, tp2-recompute, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
+                   "dp2-zero1, tp2-recompute, tp2-selective, dp2-fsdp2, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
                    "default: every layout the era has, each with its families.")
 @click.option("--checks", metavar="NAMES",
               help="What each layout is compared with: one-rank (one rank from the same checkpoint), "

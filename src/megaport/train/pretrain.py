@@ -147,6 +147,9 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
+    for name, value, why in layout.environment:
+        data_env = {**data_env, name: value}
+        notes.append(f"{name}={value} in the environment ({why})")
     first, *others = torchrun.node_commands(layout.ranks, target, port=port)
     return Command(first, run.tree, described, notes, data_env, others)
 
@@ -428,7 +431,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
                         help="cuda: a GPU (HIP on ROCm), under torchrun; cpu: with megaport's CPU substitutions")
     for name, value in dataclasses.asdict(GPU_SIZES).items():
-        parser.add_argument(f"--{name}", type=int, help=f"default {value} on a GPU, "
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {value} on a GPU, "
                             f"{getattr(example.Sizes(), name)} on the CPU")
     parser.add_argument("--engine", choices=deepspeed_example.ENGINES, default="deepspeed",
                         help="Megatron-DeepSpeed trees: DeepSpeed's engine (the example's --deepspeed) or "

@@ -38,6 +38,17 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("tp2-recompute", "tensor parallel over 2 ranks, full activation recomputation", Ranks(2),
            TP2 + ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
            families=("gpt",)),
+    Layout("tp2-selective", "tensor parallel over 2 ranks, selective recomputation (core attention recomputed "
+           "in backward)", Ranks(2), TP2 + ("--recompute-granularity", "selective"), families=("llama",)),
+    # PyTorch's FSDP2 (AMD's guide trains Llama 3 70B with it): parameters, gradients and optimizer
+    # state sharded over the data-parallel ranks; upstream refuses it beside gradient-accumulation
+    # fusion, which the port otherwise serves
+    Layout("dp2-fsdp2", "2 data-parallel ranks, PyTorch FSDP2 sharding parameters, gradients and optimizer state",
+           Ranks(2), ("--use-torch-fsdp2", "--no-gradient-accumulation-fusion"), micro_batch=1, families=("llama",),
+           environment=(("CUDA_DEVICE_MAX_CONNECTIONS", "8", "upstream refuses FSDP where it is 1, which TP runs "
+                                                          "want; 8 is CUDA's default"),),
+           gpu_only="PyTorch's FSDP2 builds its device mesh and streams on the GPU itself, which megaport's CPU "
+                    "placement does not serve"),
     Layout("cp2", "context parallel over 2 ranks (load-balanced causal split)", Ranks(2),
            ("--context-parallel-size", "2"), families=("llama",), served=_CP_SERVED, upstream_runs=False),
     Layout("ep2", "experts split over 2 ranks (2 data-parallel ranks for the dense layers)", Ranks(2),

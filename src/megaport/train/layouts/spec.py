@@ -48,6 +48,11 @@ class Layout:
     #: what the era's argument checks say where they refuse the layout: ((text in the parser's
     #: module, why in words), ...)
     refused_where: tuple = ()
+    #: environment variables the layout's runs need, each with why: ((name, value, why), ...)
+    environment: tuple = ()
+    #: why the layout cannot train on the CPU (megaport's CPU placement serves upstream's CUDA calls,
+    #: not everything of torch's that a layout builds on); "": it can
+    gpu_only: str = ""
 
     @property
     def tensor_parallel(self) -> int:
