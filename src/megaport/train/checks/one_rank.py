@@ -26,8 +26,6 @@ from megaport.train import example, parity, pretrain, tree_files
 from megaport.train.checks.spec import Check, Context
 from megaport.train.layouts import registry as layouts
 
-#: iterations compared: the window in which a run at loss parity's learning rate learns measurably
-STEPS = 30
 #: iterations of the run that writes the shared checkpoint: two, so a family's warm-up (Mixtral's
 #: ``--lr-warmup-iters`` of a tenth, at least one) stays shorter than its decay, as upstream asserts
 INIT_STEPS = 2
@@ -59,8 +57,11 @@ class Start:
 
 
 def base_run(context: Context, family: str, layout, mode: str = "ported") -> pretrain.Run:
+    from megaport.train.families import registry
+
     run = parity.parity_run(context.tree, mode, gpu=context.gpu, family=family)
-    return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=STEPS,
+    steps = registry.get(family).layout_steps
+    return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=steps,
                                                               vocab_multiple=layouts.VOCAB_MULTIPLE))
 
 

@@ -60,6 +60,9 @@ class Family:
     #: loss parity's learning rate where the family's example trains slower: one a hundred
     #: iterations measurably learn at and stay stable at (a spiking run amplifies rounding apart)
     parity_learning_rate: float = example.PARITY_LEARNING_RATE
+    #: iterations a layout is compared with one rank over (:mod:`megaport.train.checks.one_rank`):
+    #: a window in which the family's loss falls measurably at its parity learning rate
+    layout_steps: int = 30
     #: baseline shims the unported side starts with (beyond those a failure asks for)
     baseline_shims: tuple = ()
     #: whether flags the era's parser lacks are left out (and said in the notes) and multi-line
