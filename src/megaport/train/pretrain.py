@@ -285,10 +285,10 @@ def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data
     return data, described, data_env
 
 
-def _family_flags(family, tokens: list, tree: str, notes: list, left_out: dict) -> list:
+def _family_flags(family, tokens: list, tree: str, notes: list, left_out: dict | None = None) -> list:
     """A family's flags for a short run: its added flags, less those it or the run (``left_out``)
     drops (each said in the notes) and, for families other than GPT, less those the era's parser lacks."""
-    dropped = {**family.dropped, **left_out}
+    dropped = {**family.dropped, **(left_out or {})}
     for added, why in family.added:
         present = {t for t in tokens if t.startswith("--")}
         missing = [g for g in example.group_flags(list(added)) if g[0] not in present
