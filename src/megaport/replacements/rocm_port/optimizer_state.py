@@ -1,0 +1,98 @@
+"""What upstream's distributed optimizer needs of torch's Adam/AdamW state, which apex's and TE's
+FusedAdam keep elsewhere: its ``step``. Without apex or TE the optimizer is torch's (upstream's
+fallback, or the port's FusedAdam where upstream imports apex unguarded), which keeps ``step``
+per parameter and only from its first step on; upstream's checkpointing asks for it before that."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from .say import say_once
+
+_STEP_SERVED = ("the distributed optimizer asked torch's Adam for its step before its first step (building the state "
+                "a checkpoint loads into): served as 0, the checkpoint's own step replaces it")
+
+
+@contextlib.contextmanager
+def _step_zero_while_unset(optimizer):
+    """Every parameter of ``optimizer`` without state holds ``step`` 0 inside, nothing after."""
+    unset = [p for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
+    for p in unset:
+        optimizer.state[p] = {"step": torch.tensor(0.0)}
+    try:
+        yield
+    finally:
+        for p in unset:
+            optimizer.state.pop(p, None)
+
+
+def _step_before_the_first_step(module) -> None:
+    """Upstream from de16089be4 (2024-07-30) on: without apex or TE, ``DistributedOptimizer.state_dict``
+    reads ``step`` from torch's per-parameter state and asserts there is one, but loading a
+    checkpoint builds that state dict before any step (``sharded_state_dict`` calls it first), so
+    every resume with ``--use-distributed-optimizer`` fails ``assert len(steps) == 1``. Before the
+    first step torch's Adam is at step 0: the state dict says so, and the state is left as it was."""
+    cls = getattr(module, "DistributedOptimizer", None)
+    if cls is None or getattr(module, "HAVE_APEX_OR_TE", True) or getattr(cls.state_dict, "_rocm_port", False):
+        return
+    state_dict = cls.state_dict
+
+    @functools.wraps(state_dict)
+    def served(self):
+        inner = self.optimizer
+        if not isinstance(inner, torch.optim.Optimizer) or any(inner.state.get(p) for g in inner.param_groups
+                                                               for p in g["params"]):
+            return state_dict(self)
+        say_once(_STEP_SERVED)
+        with _step_zero_while_unset(inner):
+            return state_dict(self)
+
+    served._rocm_port = True
+    cls.state_dict = served
+
+
+
+_STEP_RESTORED = ("the distributed optimizer's resume left torch's Adam one step tensor shared by every parameter, "
+                  "overwritten by the state it loaded into: each parameter gets its own, the checkpoint's step")
+
+
+def _checkpoint_step(state_dict) -> float | None:
+    """The one step the checkpoint's param groups hold (upstream writes it there without apex/TE)."""
+    groups = state_dict.get("optimizer", {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+    steps = {g["step"] for g in groups if g.get("step") is not None}
+    return float(steps.pop()) if len(steps) == 1 else None
+
+
+def _checkpoint_step_per_parameter(module) -> None:
+    """Upstream from de16089be4 (2024-07-30) on, without apex or TE, ``DistributedOptimizer.load_state_dict``
+    puts one ``torch.tensor(step)`` into every parameter's state of torch's Adam (which increments
+    each parameter's step in place: the shared one grows by the number of parameters per iteration),
+    and its ``dp_reshardable`` parameter state (the default format) then copies the step of the state
+    it loaded into over it (0 on a resume). Adam's bias correction goes wrong and the resumed run
+    leaves the uninterrupted one from its second iteration. Each parameter gets its own tensor
+    holding the checkpoint's step (its param groups'), as upstream's ``fully_sharded_model_space``
+    loader leaves it."""
+    cls = getattr(module, "DistributedOptimizer", None)
+    if cls is None or getattr(module, "HAVE_APEX_OR_TE", True) or getattr(cls.load_state_dict, "_rocm_port", False):
+        return
+    load_state_dict = cls.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def served(self, state_dict):
+        result = load_state_dict(self, state_dict)
+        step = _checkpoint_step(state_dict)
+        states = [s for s in getattr(self.optimizer, "state", {}).values() if isinstance(s, dict)
+                  and isinstance(s.get("step"), torch.Tensor)]
+        if step is None or not states:
+            return result
+        if len({id(s["step"]) for s in states}) < len(states) or any(s["step"].item() != step for s in states):
+            say_once(_STEP_RESTORED)
+        for s in states:
+            s["step"] = torch.tensor(step, dtype=s["step"].dtype, device=s["step"].device)
+        return result
+
+    served._rocm_port = True
+    cls.load_state_dict = served
