@@ -129,3 +129,95 @@ def test_apex_or_te_present_is_left_alone(rp):
     module = _served(rp, have_apex_or_te=True)
     assert module.DistributedOptimizer.state_dict is _UpstreamDistributedOptimizer.state_dict
     assert module.DistributedOptimizer.load_state_dict is _UpstreamDistributedOptimizer.load_state_dict
+
+
+class _UpstreamDpReshardable(_UpstreamDistributedOptimizer):
+    """upstream 2025-11's dp_reshardable parameter state (6c8cdd57de): every tensor of a parameter's
+    state is taken for a shard of the gradient buffer, and written back key by key."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.config = types.SimpleNamespace(use_precision_aware_optimizer=False)
+        self.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
+
+    def _get_main_param_and_optimizer_states(self, model_param):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        return {"param": main_param, **self.optimizer.state[main_param]}
+
+    def get_parameter_state_dp_reshardable(self):
+        params = list(self.model_param_group_index_map)
+        return {"per_bucket_numel": [12], 0: {torch.float32: [[self._get_main_param_and_optimizer_states(p)
+                                                                for p in params]]}}
+
+    def sharded_param_state_dp_reshardable(self):
+        for tensors in self.get_parameter_state_dp_reshardable()[0][torch.float32][0]:
+            for key in tensors:
+                assert tensors[key].shape == (4,), (tensors[key].shape, 0, 4)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst_tensors = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():  # upstream's loaders run under torch.no_grad()
+            for key in dst_tensors:
+                dst_tensors[key].copy_(tensors[key])
+
+
+def _dp_module():
+    module = _module()
+    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamDpReshardable,), {})
+    return module
+
+
+def test_upstream_2025_11_cannot_save_the_parameter_state():
+    optimizer = _dp_module().DistributedOptimizer(_params())
+    _train(optimizer.optimizer, 1)
+    with pytest.raises(AssertionError, match=r"torch.Size\(\[\]\)"):
+        optimizer.sharded_param_state_dp_reshardable()
+
+
+def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp):
+    module = _dp_module()
+    for step in rp.after_import_steps(MODULE):
+        step(module)
+    optimizer = module.DistributedOptimizer(_params())
+    _train(optimizer.optimizer, 2)
+    optimizer.sharded_param_state_dp_reshardable()  # saves
+    saved = [{k: v.clone() for k, v in t.items()} for t in optimizer.get_parameter_state_dp_reshardable()[0][
+        torch.float32][0]]
+    assert all("step" not in t and set(t) == {"param", "exp_avg", "exp_avg_sq"} for t in saved)
+    for model_param, tensors in zip(optimizer.model_param_group_index_map, saved):
+        optimizer._set_main_param_and_optimizer_states(model_param, tensors)  # loads: the step stays
+    assert {s["step"].item() for s in optimizer.optimizer.state.values()} == {2.0}
+
+
+def test_the_ports_fused_adam_resumes_as_upstream_2024_rebuilds_it(rp):
+    """Upstream 2023-05-24 … 2024-07-30 saves apex's param groups and, on a resume, rebuilds each
+    parameter's state as exp_avg/exp_avg_sq alone (distrib_optimizer.load_state_dict): the port's
+    FusedAdam keeps apex's step in its groups and steps on from it, as the uninterrupted run."""
+    uninterrupted = rp.FusedAdam(_params(), lr=0.1)
+    _train(uninterrupted, 3)
+    saved = uninterrupted.state_dict()
+    assert {g["step"] for g in saved["param_groups"]} == {3}
+    resumed = rp.FusedAdam(_params(), lr=0.1)
+    rebuilt = {i: {k: v.clone() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
+               for i, s in saved["state"].items()}
+    resumed.load_state_dict({"state": rebuilt, "param_groups": saved["param_groups"]})
+    for p, q in zip(resumed.param_groups[0]["params"], uninterrupted.param_groups[0]["params"]):
+        with torch.no_grad():
+            p.copy_(q)
+    _train(uninterrupted, 2)
+    _train(resumed, 2)
+    for p, q in zip(resumed.param_groups[0]["params"], uninterrupted.param_groups[0]["params"]):
+        assert torch.equal(p, q)
+    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+
+
+def test_torch_adamw_fails_the_same_rebuild():
+    adamw = torch.optim.AdamW(_params(), lr=0.1)
+    _train(adamw, 1)
+    saved = adamw.state_dict()
+    rebuilt = {i: {k: v for k, v in s.items() if k != "step"} for i, s in saved["state"].items()}
+    with pytest.raises(KeyError, match="step"):
+        adamw.load_state_dict({"state": rebuilt, "param_groups": saved["param_groups"]})
