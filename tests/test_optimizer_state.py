@@ -110,7 +110,7 @@ def test_a_resume_steps_as_the_uninterrupted_run(rp, capsys):
     assert len({id(s) for s in steps}) == len(steps) and {s.item() for s in steps} == {3.0}
     _train(resumed.optimizer, 1)
     assert {s["step"].item() for s in resumed.optimizer.state.values()} == {4.0}
-    assert "> ROCm port: the distributed optimizer's resume left torch's Adam" in capsys.readouterr().out
+    assert "> ROCm port: the distributed optimizer's load gave torch's Adam one step tensor" in capsys.readouterr().out
 
 
 def test_without_the_port_a_resume_shares_and_resets_the_step():
