@@ -192,7 +192,7 @@ def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp):
     assert {s["step"].item() for s in optimizer.optimizer.state.values()} == {2.0}
 
 
-def test_the_ports_fused_adam_resumes_as_upstream_2024_rebuilds_it(rp):
+def test_the_ports_fused_adam_resumes_as_upstream_2024_rebuilds_it(rp, capsys):
     """Upstream 2023-05-24 … 2024-07-30 saves apex's param groups and, on a resume, rebuilds each
     parameter's state as exp_avg/exp_avg_sq alone (distrib_optimizer.load_state_dict): the port's
     FusedAdam keeps apex's step in its groups and steps on from it, as the uninterrupted run."""
@@ -212,6 +212,7 @@ def test_the_ports_fused_adam_resumes_as_upstream_2024_rebuilds_it(rp):
     for p, q in zip(resumed.param_groups[0]["params"], uninterrupted.param_groups[0]["params"]):
         assert torch.equal(p, q)
     assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+    assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer loaded FusedAdam's state") == 1
 
 
 def test_torch_adamw_fails_the_same_rebuild():

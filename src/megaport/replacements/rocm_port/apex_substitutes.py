@@ -8,6 +8,8 @@ import types
 
 import torch
 
+from .say import say_once
+
 
 def _shape_tuple(normalized_shape) -> tuple:
     if isinstance(normalized_shape, int):
@@ -257,6 +259,10 @@ def _apex_optimizer(base):
     return ApexCompatible
 
 
+_STEP_FROM_GROUP = ("the distributed optimizer loaded FusedAdam's state without its step (apex keeps it in the param "
+                    "groups): the port's FusedAdam (torch's AdamW) takes each group's saved step")
+
+
 def _steps_in_param_groups(base):
     """``base`` (torch's AdamW) keeping its step where apex's FusedAdam keeps it, in each param
     group, besides torch's per-parameter state.
@@ -272,6 +278,7 @@ def _steps_in_param_groups(base):
                 on_device = group.get("fused") or group.get("capturable")
                 for p in group["params"]:
                     if state["state"].get(p) and "step" not in state["state"][p]:
+                        say_once(_STEP_FROM_GROUP)
                         state["state"][p]["step"] = torch.tensor(float(group.get("step", 0)), dtype=torch.float32,
                                                                  device=p.device if on_device else None)
             super().__setstate__(state)
