@@ -177,7 +177,7 @@ def test_upstream_2025_11_cannot_save_the_parameter_state():
         optimizer.sharded_param_state_dp_reshardable()
 
 
-def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp):
+def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp, capsys):
     module = _dp_module()
     for step in rp.after_import_steps(MODULE):
         step(module)
@@ -187,6 +187,7 @@ def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp):
     saved = [{k: v.clone() for k, v in t.items()} for t in optimizer.get_parameter_state_dp_reshardable()[0][
         torch.float32][0]]
     assert all("step" not in t and set(t) == {"param", "exp_avg", "exp_avg_sq"} for t in saved)
+    assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer's dp_reshardable") == 1
     for model_param, tensors in zip(optimizer.model_param_group_index_map, saved):
         optimizer._set_main_param_and_optimizer_states(model_param, tensors)  # loads: the step stays
     assert {s["step"].item() for s in optimizer.optimizer.state.values()} == {2.0}

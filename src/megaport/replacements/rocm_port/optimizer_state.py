@@ -100,6 +100,11 @@ def _checkpoint_step_per_parameter(module) -> None:
     cls.load_state_dict = served
 
 
+_STEP_LEFT_OUT = ("the distributed optimizer's dp_reshardable parameter state left out torch's Adam 0-dim step (the "
+                  "param groups hold it), which upstream wrote as a shard of the gradient buffer or read back over the "
+                  "loaded step")
+
+
 def _main_param_step(optimizer, model_param):
     """The step tensor in torch's Adam state of ``model_param``'s main (fp32) shard; None without one."""
     group_index, group_order = optimizer.model_param_group_index_map[model_param]
@@ -115,10 +120,10 @@ def _param_state_without_step(module) -> None:
     is no part of the parameter state (its param groups hold it): left out where the state is read,
     and kept as it is where the state is written back."""
     cls = getattr(module, "DistributedOptimizer", None)
-    if cls is None or getattr(module, "HAVE_APEX_OR_TE", True) or not hasattr(cls, "get_parameter_state_dp_reshardable") \
-            or getattr(cls.get_parameter_state_dp_reshardable, "_rocm_port", False):
+    get_state = getattr(cls, "get_parameter_state_dp_reshardable", None)
+    if get_state is None or getattr(module, "HAVE_APEX_OR_TE", True) or getattr(get_state, "_rocm_port", False):
         return
-    get_state, set_states = cls.get_parameter_state_dp_reshardable, cls._set_main_param_and_optimizer_states
+    set_states = cls._set_main_param_and_optimizer_states
 
     @functools.wraps(get_state)
     def without_step(self):
@@ -128,7 +133,8 @@ def _param_state_without_step(module) -> None:
                 for buckets in per_dtype.values():
                     for bucket in buckets:
                         for tensors in bucket:
-                            tensors.pop("step", None)
+                            if tensors.pop("step", None) is not None:
+                                say_once(_STEP_LEFT_OUT)
         return state
 
     @functools.wraps(set_states)

@@ -104,11 +104,12 @@ def compare(context: Context, family: str, layout) -> dict:
 
 
 def not_for(layout, tree: str) -> str | None:
-    """Why the resume is not checked in ``layout``: its ranks hold no shard of the optimizer's state
-    (one rank's resume, checked with every layout that does, stands for it)."""
+    """Why the resume is not checked in ``layout``: it does not shard the optimizer's state with
+    upstream's distributed optimizer (one rank's resume, checked beside each layout that does,
+    stands for the others; DeepSpeed's ZeRO checkpoints are not checked yet)."""
     if SHARDED_OPTIMIZER in layout.flags:
         return None
-    return "its ranks hold no shard of the optimizer's state: one rank's resume stands for it"
+    return f"resumes are checked where {SHARDED_OPTIMIZER} shards the optimizer's state, and on one rank beside it"
 
 
 CHECK = Check(name="resume", summary=f"saved at iteration {SAVED_AT} and resumed = the uninterrupted run "
