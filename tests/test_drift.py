@@ -5,12 +5,15 @@ is a branch off v1 that drifts one way, tagged ``s_<what>``:
 
     s_clean     an unrelated new file               every hunk clean          exit 0
     s_offset    5 lines inserted above a hunk        offset +5                 exit 1
-    s_fuzz      the hunk's first context line edited fuzz 1                    exit 1
-    s_3way      a context line between two changes   3way (fuzz cannot help)   exit 1
-    s_applied   one hunk's change made upstream      applied                   exit 1
+    s_fuzz      the hunk's first context line edited fuzz 1                    exit 2 (apply refuses)
+    s_3way      a context line between two changes   3way (fuzz cannot help)   exit 2 (apply refuses)
+    s_applied   one hunk's change made upstream      applied                   exit 2 (apply refuses)
     s_conflict  the line a hunk changes, rewritten   conflict (+ nearest line) exit 2
     s_renamed   a patched file moved                 missing + likely new path exit 2
     s_deleted   a patched file deleted               missing                   exit 2
+
+Every result also carries apply's verdict (megaport.selection.decide): a series that lands only
+with fuzz, a merge or a half-applied patch is one ``megaport apply`` refuses, so drift exits 2.
 """
 
 from __future__ import annotations
@@ -150,21 +153,26 @@ def test_lines_inserted_above_a_hunk_are_an_offset(upstream, catalogue):
 
 def test_an_edited_outer_context_line_is_fuzz(upstream, catalogue):
     code, report = drift_json(upstream[0], catalogue, "s_fuzz")
-    assert code == 1
     (hunk,) = hunks_of(report, "s_fuzz")["0001-a.patch"]
     assert (hunk["status"], hunk["fuzz"]) == ("fuzz", 1)
+    # apply (--fuzz 0) refuses it, and says --fuzz 1 would port it: so does drift, with exit 2.
+    entry = report["refs"][0]
+    assert code == 2 and entry["status"] == "conflict"
+    assert entry["refusal"].startswith("no series fits this tree") and "--fuzz 1 would port it with demo" in entry["refusal"]
+    code, report = drift_json(upstream[0], catalogue, "s_fuzz", extra=("--apply-fuzz", "1"))
+    assert code == 1 and report["refs"][0]["refusal"] is None and report["refs"][0]["status"] == "fuzz"
 
 
 def test_fuzz_beyond_the_limit_is_not_fuzz(upstream, catalogue):
     code, report = drift_json(upstream[0], catalogue, "s_fuzz", extra=("--fuzz", "0"))
     (hunk,) = hunks_of(report, "s_fuzz")["0001-a.patch"]
     # Without fuzz the patch's preimage still merges: a three-way merge is the next resort.
-    assert hunk["status"] == "3way" and code == 1
+    assert hunk["status"] == "3way" and code == 2
 
 
 def test_a_context_line_between_two_changes_needs_a_three_way_merge(upstream, catalogue):
     code, report = drift_json(upstream[0], catalogue, "s_3way")
-    assert code == 1
+    assert code == 2 and "no series fits this tree" in report["refs"][0]["refusal"]  # apply has no merge
     (hunk,) = hunks_of(report, "s_3way")["0002-b.patch"]
     assert hunk["status"] == "3way"
 
@@ -181,12 +189,12 @@ def test_three_way_fetches_the_preimage_when_the_cache_lacks_it(upstream, tmp_pa
     # With the tested sha known, drift fetches that commit (one sha) and merges.
     tested = demo_catalogue(tmp_path / "tested", patches, tested=f'{{ ref = "v1", sha = "{v1}" }}')
     code, report = drift_json(repo, tested, "s_3way")
-    assert code == 1 and hunks_of(report, "s_3way")["0002-b.patch"][0]["status"] == "3way"
+    assert code == 2 and hunks_of(report, "s_3way")["0002-b.patch"][0]["status"] == "3way"
 
 
 def test_a_hunk_already_upstream_is_applied(upstream, catalogue):
     code, report = drift_json(upstream[0], catalogue, "s_applied")
-    assert code == 1
+    assert code == 2  # half the patch is upstream's: apply refuses it
     first, second = hunks_of(report, "s_applied")["0003-c.patch"]
     assert first["status"] == "applied" and first["line"] == 2  # where the hunk (from its context) sits
     assert second["status"] == "clean"
@@ -364,7 +372,8 @@ def test_json_shape_is_stable(upstream, catalogue):
     _, report = drift_json(upstream[0], catalogue, "s_offset")
     assert set(report) == {"format", "repo", "status", "exit_code", "refs"}
     entry = report["refs"][0]
-    assert set(entry) == {"ref", "sha", "series", "reason", "status", "counts", "patches"}
+    assert set(entry) == {"ref", "sha", "series", "reason", "refusal", "status", "counts", "patches"}
+    assert entry["refusal"] is None
     assert entry["sha"] == git(upstream[0], "rev-parse", "s_offset")
     patch = entry["patches"][0]
     assert set(patch) == {"name", "subject", "status", "reason", "hunks"}
@@ -419,7 +428,7 @@ def test_markdown_is_a_table_and_summary_appends(upstream, catalogue, tmp_path):
     summary.write_text("# earlier step\n")
     result = drift("--repo", str(upstream[0]), "--patches", str(catalogue), "--ref", "s_clean", "--ref", "s_fuzz",
                    "--format", "markdown", "--summary", str(summary))
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # apply refuses s_fuzz at --fuzz 0
     rows = [line for line in result.stdout.splitlines() if line.startswith("| `s_")]
     assert len(rows) == 3  # two summary rows, one detail row
     assert "fuzz 1" in rows[-1]

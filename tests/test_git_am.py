@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support.porting import port
 
-from megaport.catalogue import LIST_FILE, PORT_DIR, load_catalogue
+from megaport.catalogue import COMMON_DIRS, LIST_FILE, load_catalogue, read_list
 
 ROOT = Path(__file__).resolve().parents[1]
 # What docs/series-format.md and README.md tell users to run, with S the series folder.
@@ -57,10 +57,11 @@ def check_series(repo: Path, series_name: str, ref: str, work: Path) -> None:
         # The tree lacks the folders these patches change (PyPI's megatron/core alone): a copy of
         # the catalogue whose list leaves them out, as a user porting such a tree would.
         copy = work / "patches"
-        shutil.copytree(series.directory.parent / PORT_DIR, copy / PORT_DIR)
+        for common in COMMON_DIRS:
+            shutil.copytree(series.directory.parent / common, copy / common)
         shutil.copytree(series.directory, copy / series_name)
-        lines = (series.directory / LIST_FILE).read_text().splitlines()
-        (copy / series_name / LIST_FILE).write_text("".join(f"{line}\n" for line in lines if Path(line).name not in skipped))
+        kept = [entry for _, entry, patch in read_list(series.directory) if patch.name not in skipped]
+        (copy / series_name / LIST_FILE).write_text("".join(f"{entry}\n" for entry in kept))
         series_dir = copy / series_name
     assert git_am_tree(repo, ref, series_dir, work) == git(dest, "rev-parse", "HEAD^{tree}")
     ported_commits = int(git(dest, "rev-list", "--count", "refs/megaport/upstream..HEAD"))

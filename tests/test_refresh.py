@@ -69,7 +69,7 @@ def test_refresh_as_new_series_rebuilds_moved_hunks_and_appends_the_entry(upstre
 def test_refresh_in_place_makes_the_series_clean_on_the_ref(upstream, catalogue, ref):
     repo = upstream[0]
     code, _ = drift_json(repo, catalogue, ref)
-    assert code == 1
+    assert code == 2  # apply refuses each: fuzz, a merge, half the patch upstream's
     result = refresh("--repo", str(repo), "--patches", str(catalogue), "--series", "demo", "--ref", ref, "--in-place")
     assert result.exit_code == 0, result.output
     code, report = drift_json(repo, catalogue, ref)
@@ -197,13 +197,29 @@ def test_shipped_series_refresh_on_a_later_release_is_clean_there(core_upstream,
     assert text.startswith(original)
     entry = next(e for e in tomllib.loads(text.decode())["series"] if e["name"] == "core-0.16")
     assert entry["tested"] == [{"ref": "core_v0.16.1", "sha": git(core_upstream, "rev-parse", "core_v0.16.1")}]
-    # The shared port patch stays shared: the new list names it where the old one did, and no copy.
+    # The shared port patch, and the patches stored once in shared/, stay shared: the new list names
+    # them where the old one did, and the folder holds no copy of them.
     assert entry["port"] == "core-zero-guarded"
     old_list = (patches / "core-0.13-0.16" / "series").read_text().splitlines()
     new_list = (patches / "core-0.16" / "series").read_text().splitlines()
     assert new_list[0] == old_list[0] and new_list[0].startswith("../port/base/")
-    assert sorted(p.name for p in (patches / "core-0.16").iterdir()) == sorted(new_list[1:] + ["series"])
+    # (one the refresh rewrote is the new series' own copy, under its name in the series)
+    names = [p.name for p in load_catalogue(patches).get("core-0.13-0.16").patches]
+    assert all(new == old or (old.startswith("../shared/") and new == name)
+               for old, new, name in zip(old_list, new_list, names, strict=True))
+    assert sum(line.startswith("../shared/") for line in new_list) >= 1
+    own = [line for line in new_list if not line.startswith("../")]
+    assert sorted(p.name for p in (patches / "core-0.16").iterdir()) == sorted(own + ["series"])
     code, report = drift_json(core_upstream, patches, "core_v0.16.1", extra=("--series", "core-0.16"))
     assert code == 0, report
     hunks = hunks_of(report, "core_v0.16.1")
     assert all(h["status"] == "clean" for hs in hunks.values() for h in hs)
+    # The patches it kept are core-0.13-0.16's: lint says so, and regenerate stores each once.
+    linted = CliRunner().invoke(main, ["lint", "--patches", str(patches)])
+    assert linted.exit_code == 1 and "run 'megaport regenerate' to store it once in shared/" in linted.output
+    before = {p.name: p.path.read_bytes() for p in load_catalogue(patches).get("core-0.13-0.16").patches}
+    rewritten = {name for name in own if (patches / "core-0.16" / name).read_bytes() != before[name]}
+    assert CliRunner().invoke(main, ["regenerate", "--patches", str(patches)]).exit_code == 0
+    # (a rewritten one may match yet another series' copy, and be shared too)
+    assert {p.name for p in (patches / "core-0.16").iterdir()} <= rewritten | {"series"} and len(rewritten) < len(own)
+    assert CliRunner().invoke(main, ["lint", "--patches", str(patches)]).exit_code == 0

@@ -114,3 +114,11 @@ def test_the_launcher_exits_1_when_a_resume_trains_nothing(tmp_path):
     done = subprocess.run([sys.executable, "-m", "megaport.train.launch", str(script), "--train-iters", "30"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_report_row_gives_the_layouts_figures_and_one_ranks():
+    whole = _run(range(1, 31))
+    compared = parity.loss_parity(whole, whole)
+    compared["one_rank"] = dict(compared, max_relative_difference=0.02)
+    row = resume.figures(compared)
+    assert row.startswith("loss 0.0e+00") and "; one rank loss 2.0e-02" in row

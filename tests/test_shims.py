@@ -56,7 +56,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 25
+    assert len(registry.REGISTRY) == 26
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -103,6 +103,8 @@ def _missing(module: str) -> str:
     ("TENorm", "te-norm"),
     ("te_general_gemm", "te-norm"),
     ("raise AssertionError('Grouped GEMM is not available. Please run `pip install grouped_gemm`.')", "grouped-gemm"),
+    ("import argparse, io, torch\nb = io.BytesIO()\ntorch.save({'args': argparse.Namespace()}, b)\nb.seek(0)\n"
+     "torch.load(b)", "torch-load-trusting"),
     ("def f(**kw):\n    pass\nf(1, k_channels=3)", None),  # a TypeError of another shape
     ("class DotProductAttention:\n    def __init__(self):\n        pass\nDotProductAttention(k_channels=3)",
      "mla-attention"),
@@ -877,3 +879,25 @@ def test_te_norm_is_listed_for_t5_where_its_local_specs_take_the_final_norm_from
     spec.write_text("# the legacy T5: megatron/model/t5_model.py\n")
     assert not registry.applies("te-norm", str(tmp_path))
     assert not registry.applies("te-norm", str(tmp_path / "nowhere"))
+
+
+def test_the_trusting_load_shim_reads_a_megatron_checkpoint_where_the_call_says_nothing(tmp_path, monkeypatch):
+    """What core 0.6's load_checkpoint meets on torch >= 2.6 (its Namespace), read with the shim;
+    a call that asks for weights only still gets them (the shim is torch's own switch)."""
+    import argparse
+    import pickle
+
+    import torch
+
+    from megaport.train.shims import torch_load_trusting
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": argparse.Namespace(lr=3e-3), "model": {"w": torch.ones(2)}}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path)
+    monkeypatch.delenv(torch_load_trusting.SWITCH, raising=False)
+    torch_load_trusting.install()
+    monkeypatch.setenv(torch_load_trusting.SWITCH, os.environ[torch_load_trusting.SWITCH])  # undone after the test
+    assert torch.load(path)["args"].lr == 3e-3
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)

@@ -26,6 +26,13 @@ LIST_FILE = "series"
 # ``../port/<folder>/<patch>`` (megaport.portpatches writes them).
 PORT_DIR = "port"
 PORT_BASE = "base"
+# Folder (beside the series folders) of the series' own patches that several series carry byte for
+# byte but for their range trailers: each is stored once, as ``shared/<first series>/<file>`` (the
+# first series in catalogue order that lists it), and listed by its path from each series folder
+# (megaport.regenerate writes them).
+SHARED_DIR = "shared"
+# Folders beside the series folders that hold patches the series lists name by relative path.
+COMMON_DIRS = (PORT_DIR, SHARED_DIR)
 PATCHES_ENV = "MEGAPORT_PATCHES"
 # The repository a series' tested refs are resolved in, unless its entry names another one.
 UPSTREAM_REPOSITORY = "NVIDIA/Megatron-LM"
@@ -64,11 +71,24 @@ class PatchFile:
     """One patch of a series: its file on disk and the hash recorded in ported trees.
 
     ``port`` is the folder under ``port/`` of a patch the series shares with others ('base' or a
-    variant's name); None for the series' own patches."""
+    variant's name); ``shared`` the folder under ``shared/`` of one of its own patches that other
+    series carry too; both None for a patch in the series' folder. ``name`` is the file name, but
+    for a ``shared/`` patch the name ``git format-patch`` gives it in this series (its number is
+    its place in the list), which is what reports and ported trees record."""
 
     name: str
     path: Path
     port: str | None = None
+    shared: str | None = None
+
+    @property
+    def entry(self) -> str:
+        """How the series list names it: the file name, or its path from the series folder."""
+        if self.port:
+            return f"../{PORT_DIR}/{self.port}/{self.path.name}"
+        if self.shared:
+            return f"../{SHARED_DIR}/{self.shared}/{self.path.name}"
+        return self.name
 
     def text(self) -> str:
         return self.path.read_bytes().decode("utf-8", "surrogateescape")
@@ -252,8 +272,9 @@ def _series_from_entry(directory: Path, path: Path, entry: dict, ports: tuple[Po
         name = str(entry["name"])
     except (KeyError, TypeError):
         raise MegaportError(f"{path}: a [[series]] entry has no name", exit_code=2) from None
-    if "/" in name or name.startswith(".") or not name or name == PORT_DIR:
-        raise MegaportError(f"{path}: series name '{name}' must be a plain folder name other than '{PORT_DIR}'",
+    if "/" in name or name.startswith(".") or not name or name in COMMON_DIRS:
+        raise MegaportError(f"{path}: series name '{name}' must be a plain folder name other than "
+                            f"'{PORT_DIR}' or '{SHARED_DIR}'",
                             exit_code=2)
     folder = directory / name
     recognise = entry.get("recognise", {})
@@ -330,49 +351,92 @@ def list_entries(listing: Path) -> list[tuple[int, str]]:
     return entries
 
 
+def common_entry(entry: str) -> tuple[str, str, str] | None:
+    """(``port`` or ``shared``, folder, file name) for a list entry ``../port/<folder>/<file>`` or
+    ``../shared/<folder>/<file>``, else None."""
+    parts = entry.split("/")
+    if len(parts) == 4 and parts[0] == ".." and parts[1] in COMMON_DIRS and all(_plain(p) for p in parts[2:]):
+        return parts[1], parts[2], parts[3]
+    return None
+
+
 def port_entry(entry: str) -> tuple[str, str] | None:
     """(folder, file name) for a list entry ``../port/<folder>/<file>``, else None."""
-    parts = entry.split("/")
-    if len(parts) == 4 and parts[:2] == ["..", PORT_DIR] and all(_plain(p) for p in parts[2:]):
-        return parts[2], parts[3]
-    return None
+    common = common_entry(entry)
+    return common[1:] if common and common[0] == PORT_DIR else None
 
 
 def _plain(part: str) -> bool:
     return bool(part) and not part.startswith(".")
 
 
+def entry_patch(folder: Path, entry: str, place: int) -> PatchFile | None:
+    """The patch the ``place``-th (from 1) list entry of the series in ``folder`` names (the file
+    need not exist): a file in the folder, ``../port/<folder>/<file>`` or
+    ``../shared/<folder>/<file>``; None for any other path. The one place a list entry becomes a
+    file, so everything reading a list follows the relative paths alike."""
+    common = common_entry(entry)
+    if common:
+        top, where, name = common
+        path = folder.parent / top / where / name
+        if top == PORT_DIR:
+            return PatchFile(name=name, path=path, port=where)
+        return PatchFile(name=_numbered(name, place), path=path, shared=where)
+    if "/" in entry or entry.startswith("."):
+        return None
+    return PatchFile(name=entry, path=folder / entry)
+
+
+def _numbered(name: str, place: int) -> str:
+    """``0006-Subject.patch`` as the ``place``-th patch of a series: ``git format-patch``'s name there."""
+    number, dash, rest = name.partition("-")
+    return f"{place:04d}-{rest}" if dash and len(number) == 4 and number.isdigit() else name
+
+
+def read_list(folder: Path) -> list[tuple[int, str, PatchFile | None]]:
+    """(line number, entry, the patch it names or None when it names no allowed place) of each
+    entry of the series list in ``folder``."""
+    entries = list_entries(folder / LIST_FILE)
+    return [(number, entry, entry_patch(folder, entry, place)) for place, (number, entry) in enumerate(entries, 1)]
+
+
+def rewrite_list(text: str, entries: dict[str, str | None]) -> str:
+    """A list file's text with each entry in ``entries`` renamed (None: its line dropped); comments,
+    blank lines and order kept."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        entry = line.split("#", 1)[0].strip()
+        if entry in entries:
+            if entries[entry] is None:
+                continue
+            line = line.replace(entry, entries[entry], 1)
+        out.append(line)
+    return "".join(out)
+
+
 def _patch_files(folder: Path, name: str, ports: tuple[PortVariant, ...] = ()) -> tuple[PatchFile, ...]:
-    """The ordered patches named by the series list file: files in the folder, or shared port
-    patches (``../port/<folder>/<file>``, the folder 'base' or a [[port]]); every one must exist."""
+    """The ordered patches named by the series list file: files in the folder, shared port patches
+    (``../port/<folder>/<file>``, the folder 'base' or a [[port]]) and patches stored once for
+    several series (``../shared/<folder>/<file>``); every one must exist."""
     listing = folder / LIST_FILE
     if not listing.is_file():
         raise MegaportError(f"series '{name}': missing list file {listing}", exit_code=2)
     patches = []
-    for _, entry in list_entries(listing):
-        shared = port_entry(entry)
-        if shared:
-            port = shared[0]
-            if port != PORT_BASE and not any(p.name == port for p in ports):
-                raise MegaportError(
-                    f"series '{name}': {LIST_FILE} names {entry}, but catalogue.toml has no [[port]] '{port}'",
-                    exit_code=2)
-            patch = folder.parent / PORT_DIR / port / shared[1]
-            if not patch.is_file():
-                raise MegaportError(
-                    f"series '{name}': {LIST_FILE} names {entry}, which does not exist "
-                    "(run 'megaport regenerate' to write the [[port]] patches)", exit_code=2)
-        elif "/" in entry or entry.startswith("."):
+    for _, entry, patch in read_list(folder):
+        if patch is None:
             raise MegaportError(
-                f"series '{name}': list entry '{entry}' must be a file in {folder} or ../{PORT_DIR}/<folder>/<file>",
+                f"series '{name}': list entry '{entry}' must be a file in {folder}, "
+                f"../{PORT_DIR}/<folder>/<file> or ../{SHARED_DIR}/<folder>/<file>", exit_code=2)
+        if patch.port and patch.port != PORT_BASE and not any(p.name == patch.port for p in ports):
+            raise MegaportError(
+                f"series '{name}': {LIST_FILE} names {entry}, but catalogue.toml has no [[port]] '{patch.port}'",
                 exit_code=2)
-        else:
-            patch, port = folder / entry, None
-            if not patch.is_file():
-                raise MegaportError(f"series '{name}': {LIST_FILE} names {entry}, which does not exist", exit_code=2)
-        if any(p.name == patch.name for p in patches):
-            raise MegaportError(f"series '{name}': {LIST_FILE} names {patch.name} twice", exit_code=2)
-        patches.append(PatchFile(name=patch.name, path=patch, port=port))
+        if not patch.path.is_file():
+            hint = " (run 'megaport regenerate' to write the [[port]] patches)" if patch.port else ""
+            raise MegaportError(f"series '{name}': {LIST_FILE} names {entry}, which does not exist{hint}", exit_code=2)
+        if any(p.name == patch.name or p.path == patch.path for p in patches):
+            raise MegaportError(f"series '{name}': {LIST_FILE} names {entry} twice", exit_code=2)
+        patches.append(patch)
     if not patches:
         raise MegaportError(f"series '{name}': {listing} lists no patches", exit_code=2)
     return tuple(patches)

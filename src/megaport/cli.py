@@ -214,9 +214,11 @@ _REPO_OPTION = click.option(
 @click.option("--summary", metavar="FILE", help="Also append the Markdown report to FILE (e.g. $GITHUB_STEP_SUMMARY).")
 @click.option("--fuzz", "max_fuzz", type=click.IntRange(0, 3), default=2, show_default=True,
               help="Most context lines a hunk may ignore to count as 'fuzz' rather than a merge or a conflict.")
+@click.option("--apply-fuzz", "apply_fuzz", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="Judge each ref as 'megaport apply --fuzz N' would: where it refuses, exit 2 with its reason.")
 @_PATCHES_OPTION
 @handle_errors
-def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, patches):
+def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, apply_fuzz, patches):
     """Check how each series fits upstream refs, hunk by hunk, without checking anything out.
 
     \b
@@ -224,14 +226,14 @@ def drift(refs, last, repo, series_names, fmt, output, summary, max_fuzz, patche
     the patch's preimage works), applied (upstream has it), missing (file gone;
     likely new path given) or conflict (nearest match and similarity given).
     Exit 0 all clean, 1 drift that still applies, 2 a conflict or missing file,
-    3 usage or environment error. docs/drift.md has the JSON shape and CI recipes.
+    or a series 'megaport apply' refuses (same reason), 3 usage or environment error. docs/drift.md has the JSON shape and CI recipes.
     """
     from megaport.commands.drift import drift as run_drift_command
     from megaport.drift.run import DriftOptions
 
     options = DriftOptions(
         repo=repo, refs=tuple(refs), series=tuple(series_names), patches=str(patches) if patches else None,
-        last=last, max_fuzz=max_fuzz,
+        last=last, max_fuzz=max_fuzz, apply_fuzz=apply_fuzz,
     )
     return run_drift_command(options, _console(), fmt=fmt, output=output, summary=summary)
 
@@ -293,11 +295,12 @@ def lint(patches, fmt):
                    "default: every family the tree has.")
 @click.option("--layouts", metavar="NAMES",
               help="Parallel layouts to train, comma-separated (tp2, tp2-sp, pp2, pp2-vpp, dp2-distopt, "
-                   "tp2-recompute, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
+                   "dp2-zero1, tp2-recompute, tp2-selective, dp2-fsdp2, cp2, ep2, tp2-pp2, tp2-cp2, ep2-tp2, two-nodes), 'all' or 'none'; "
                    "default: every layout the era has, each with its families.")
 @click.option("--checks", metavar="NAMES",
               help="What each layout is compared with: one-rank (one rank from the same checkpoint), "
-                   "upstream (unported upstream in the same layout); default: both, where they apply.")
+                   "upstream (unported upstream in the same layout), tp-replicas (under sequence parallelism, the "
+                   "TP ranks' copies of the norms stay equal); default: all, where they apply.")
 @handle_errors
 def verify(tree, device, json_file, junit_file, keyword, strict, patches, models, layouts, checks):
     """Run the smoke suite against a ported TREE's own code (default: current directory).

@@ -12,6 +12,7 @@ from typing import Callable, Protocol
 
 from megaport.catalogue import Series
 from megaport.engine import Patch, PatchResult, apply_patch, check_patch_paths, parse_patch
+from megaport.engine.blob import git_blob_id
 from megaport.errors import MegaportError
 
 SKIPPED = "skipped"
@@ -110,9 +111,12 @@ def load_patches(series: Series) -> tuple[Patch, ...]:
 
 
 def plan_series(
-    series: Series, tree: TreeReader, *, max_fuzz: int = 0, patches: tuple[Patch, ...] | None = None
+    series: Series, tree: TreeReader, *, max_fuzz: int = 0, patches: tuple[Patch, ...] | None = None,
+    memo: dict | None = None,
 ) -> SeriesPlan:
-    """Apply a series in memory, each patch on top of the previous ones; stop at the first failure."""
+    """Apply a series in memory, each patch on top of the previous ones; stop at the first failure.
+    ``memo`` (a dict kept across calls on the same parsed ``patches``, as drift keeps it over many
+    commits) reuses a patch's result wherever the files it touches have the same bytes."""
     parsed = patches if patches is not None else load_patches(series)
     overlay: dict[str, bytes | None] = {}
     read = _overlay_reader(tree, overlay)
@@ -122,12 +126,24 @@ def plan_series(
         if skip_reason:
             plans.append(PatchPlan(patch.name, patch.subject, SKIPPED, None, skip_reason))
             continue
-        result = apply_patch(patch, read, max_fuzz=max_fuzz)
+        result = _apply(patch, read, max_fuzz, memo)
         plans.append(PatchPlan(patch.name, patch.subject, result.status, result))
         if result.status == "failed":
             break
         overlay.update(result.changes)
     return SeriesPlan(series=series, patches=tuple(plans), parsed=parsed)
+
+
+def _apply(patch: Patch, read: Callable[[str], bytes | None], max_fuzz: int, memo: dict | None) -> PatchResult:
+    """The engine's result, remembered by the patch (its parsed object) and its files' blob ids."""
+    if memo is None:
+        return apply_patch(patch, read, max_fuzz=max_fuzz)
+    touched = sorted({p for f in patch.files for p in (f.old_path, f.new_path) if p})
+    contents = [read(path) for path in touched]
+    key = (id(patch), max_fuzz, tuple(None if c is None else git_blob_id(c) for c in contents))
+    if key not in memo:
+        memo[key] = apply_patch(patch, read, max_fuzz=max_fuzz)
+    return memo[key]
 
 
 def _overlay_reader(tree: TreeReader, overlay: dict[str, bytes | None]) -> Callable[[str], bytes | None]:

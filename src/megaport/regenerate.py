@@ -5,8 +5,9 @@ The replacement code (softmax functions, apex stand-ins, backend resolution) liv
 patches that every series with a ``[[port]]`` variant lists first (:mod:`megaport.portpatches`,
 written whole). A series without a port carries the package in a patch of its own, where only
 the package's diff sections are rewritten. Regenerating also sets each series' own patches' Upstream-Range
-trailer. Running it on an unchanged catalogue changes nothing, and ``--check`` fails when any
-copy differs.
+trailer, and stores once, under ``shared/``, every patch that several series carry byte for byte
+but for that trailer (the shared copy carries one trailer per range). Running it on an unchanged
+catalogue changes nothing, and ``--check`` fails when any copy differs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaport.catalogue import PORT_DIR, Catalogue, PortVariant, Series
+from megaport.catalogue import LIST_FILE, PORT_DIR, SHARED_DIR, Catalogue, PatchFile, PortVariant, Series, rewrite_list
 from megaport.errors import MegaportError
 from megaport.portpatches import port_patches
 from megaport.replacements import render
@@ -27,6 +28,7 @@ class Regeneration:
     series: str
     patch: Path
     changed: bool
+    removed: bool = False  # a copy now stored once in shared/, or a shared file no series lists
 
 
 def git_blob_id(content: bytes) -> str:
@@ -75,8 +77,9 @@ def upstream_range(series: Series) -> str:
     return f"{series.tested[0].label}..{series.tested[-1].label}"
 
 
-def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
-    """Set the message's Upstream-Range trailer (the message ends where the diff begins)."""
+def with_range_trailers(patch_text: bytes, ranges: list[str]) -> bytes:
+    """Set the message's Upstream-Range trailers (the message ends where the diff begins), one line
+    per range in order, none for an empty list: a patch several series share names each range."""
     starts = [i for i in (patch_text.find(b"\n---\n"), patch_text.find(b"\ndiff --git ")) if i >= 0]
     if not starts:
         raise MegaportError("patch has no diff")
@@ -85,8 +88,8 @@ def with_range_trailer(patch_text: bytes, range_text: str) -> bytes:
     message = [line for line in message if not line.startswith(TRAILER)]
     while message and message[-1] == b"":
         message.pop()
-    trailer = TRAILER + range_text.encode()
-    return b"\n".join(message) + b"\n\n" + trailer + b"\n\n" + patch_text[end:]
+    trailers = b"".join(TRAILER + text.encode() + b"\n" for text in ranges)
+    return b"\n".join(message) + b"\n\n" + (trailers + b"\n" if trailers else b"") + patch_text[end:]
 
 
 def rendered_replacement(series: Series) -> dict[str, bytes]:
@@ -140,24 +143,102 @@ def regenerate_ports(root: Path, ports: tuple[PortVariant, ...], *, write: bool)
     return results
 
 
+@dataclass
+class _Copy:
+    """One patch as the series lists it: the series, the patch and its bytes without range trailers."""
+
+    series: Series
+    patch: PatchFile
+    body: bytes
+
+
 def regenerate_series(catalogue: Catalogue, *, write: bool) -> list[Regeneration]:
-    """The range trailer of every series' own patches, and the package in a series that carries it
-    in a patch of its own (no port); a port variant's files are left to :func:`regenerate_ports`."""
-    results = []
+    """Every series' own patches: the package in a series that carries it in a patch of its own
+    (no port), the range trailers, and one file for the patches several series carry (a port
+    variant's files are left to :func:`regenerate_ports`)."""
+    groups: dict[bytes, list[_Copy]] = {}
+    for copy in _own_copies(catalogue):
+        groups.setdefault(copy.body, []).append(copy)
+    wanted: dict[Path, tuple[str, bytes]] = {}
+    entries: dict[str, dict[str, str]] = {series.name: {} for series in catalogue.series}
+    for copies in groups.values():
+        path, entry = _home(catalogue.root, copies)
+        ranges = list(dict.fromkeys(upstream_range(copy.series) for copy in copies))
+        label = f"{SHARED_DIR}/{path.parent.name}" if entry != path.name else copies[0].series.name
+        wanted[path] = (label, with_range_trailers(copies[0].body, ranges))
+        for copy in copies:
+            entries[copy.series.name][copy.patch.entry] = entry
+    return (_write_patches(wanted, write) + _write_lists(catalogue, entries, write)
+            + _remove_stale(catalogue, set(wanted), write))
+
+
+def _own_copies(catalogue: Catalogue) -> list[_Copy]:
+    """Each series' patches other than the port's, in catalogue order, the package re-rendered."""
+    copies = []
     for series in catalogue.series:
         owner = replacement_patch(series) if series.replacement and not series.port else None
         for patch_file in series.patches:
             if patch_file.port:
                 continue
-            before = patch_file.path.read_bytes()
-            after = with_range_trailer(before, upstream_range(series))
+            body = with_range_trailers(patch_file.path.read_bytes(), [])
             if patch_file.path == owner:
                 sections = b"".join(new_file_section(path, content)
                                     for path, content in rendered_replacement(series).items())
-                after = replace_package_sections(after, series.replacement, sections)
-            if write and after != before:
-                patch_file.path.write_bytes(after)
-            results.append(Regeneration(series.name, patch_file.path, after != before))
+                body = replace_package_sections(body, series.replacement, sections)
+            copies.append(_Copy(series, patch_file, body))
+    return copies
+
+
+def _home(root: Path, copies: list[_Copy]) -> tuple[Path, str]:
+    """Where one patch is stored and how lists name it: in its series' folder when one series
+    carries it, else once as ``shared/<first series>/<its file name there>``."""
+    first = copies[0]
+    if len({copy.series.name for copy in copies}) == 1:
+        if len(copies) > 1:
+            raise MegaportError(f"series {first.series.name} lists {first.patch.name} twice (the same patch)")
+        return first.series.directory / first.patch.name, first.patch.name
+    entry = f"../{SHARED_DIR}/{first.series.name}/{first.patch.name}"
+    return root / SHARED_DIR / first.series.name / first.patch.name, entry
+
+
+def _write_patches(wanted: dict[Path, tuple[str, bytes]], write: bool) -> list[Regeneration]:
+    results = []
+    for path, (label, data) in wanted.items():
+        changed = not path.is_file() or path.read_bytes() != data
+        if write and changed:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        results.append(Regeneration(label, path, changed))
+    return results
+
+
+def _write_lists(catalogue: Catalogue, entries: dict[str, dict[str, str]], write: bool) -> list[Regeneration]:
+    """Each list file naming each patch where it is now stored."""
+    results = []
+    for series in catalogue.series:
+        listing = series.directory / LIST_FILE
+        before = listing.read_text(encoding="utf-8")
+        renames = {old: new for old, new in entries[series.name].items() if old != new}
+        after = rewrite_list(before, renames)
+        if write and after != before:
+            listing.write_text(after, encoding="utf-8")
+        results.append(Regeneration(series.name, listing, after != before))
+    return results
+
+
+def _remove_stale(catalogue: Catalogue, wanted: set[Path], write: bool) -> list[Regeneration]:
+    """The copies a shared file replaces, and shared files no series lists any more."""
+    stale = {p.path for s in catalogue.series for p in s.patches if not p.port} - wanted
+    shared = catalogue.root / SHARED_DIR
+    stale |= {path for path in shared.glob("*/*.patch") if path not in wanted} if shared.is_dir() else set()
+    results = []
+    for path in sorted(stale):
+        if write:
+            path.unlink(missing_ok=True)
+            for folder in (path.parent, shared):  # shared/ and its folders go when emptied
+                if folder.is_relative_to(shared) and folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+        results.append(Regeneration(path.parent.name, path, True, removed=True))
     return results
 
 

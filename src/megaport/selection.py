@@ -4,13 +4,15 @@ Core release tags live on release branches, so ancestry cannot place a commit be
 tree itself says where it belongs: the version in ``megatron/core/package_info.py`` and which
 files exist. When that names exactly one series it is checked by a dry run; when it names none or
 several, every candidate is dry-run and the one that fits best wins. The reason is always printed.
+``megaport drift`` asks the same :func:`decide`, so it refuses exactly the trees apply refuses.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from megaport.catalogue import UPSTREAM_REPOSITORY, Catalogue, Fork, Series
 from megaport.errors import MegaportError
@@ -54,6 +56,9 @@ class Choice:
     series: Series
     plan: SeriesPlan
     reason: str
+    # apply's one-line error when the series does not port the tree ("" when it does): drift
+    # reports the same line, as a conflict.
+    refusal: str = ""
 
 
 def read_facts(tree: TreeReader, forks: tuple[Fork, ...] = ()) -> TreeFacts:
@@ -130,8 +135,44 @@ class FolderReader:
         return (self.root / path).exists()
 
 
+Planner = Callable[[Series, int], SeriesPlan]
+"""(series, max_fuzz) -> its dry run on the tree: drift passes one that reuses its parsed patches."""
+
+#: The most fuzz ``--fuzz`` accepts; a refusal looks this far for a fuzz that would port the tree.
+MAX_FUZZ = 3
+
+
 def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:
     """Pick the series for a tree, or fail with the nearest series and where it conflicts."""
+    choice = decide(catalogue, tree, max_fuzz=max_fuzz)
+    if choice.refusal:
+        raise MegaportError(choice.refusal)
+    return choice
+
+
+def decide(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0, planner: Planner | None = None) -> Choice:
+    """The one decision ``apply`` and ``drift`` share: the series that ports the tree at
+    ``max_fuzz`` and why, or the nearest one with apply's one-line refusal. Drift asks this
+    rather than ranking its own hunk words, so it never calls a tree fine that apply refuses."""
+    plan = planner or _planner(tree)
+    return _at_fuzz(lambda fuzz: _select(catalogue, tree, lambda series: plan(series, fuzz)), max_fuzz)
+
+
+def _at_fuzz(choose_at: Callable[[int], Choice], max_fuzz: int) -> Choice:
+    """The choice at ``max_fuzz``; a refusal also names the fuzz that would port the tree."""
+    choice = choose_at(max_fuzz)
+    if not choice.refusal:
+        return choice
+    return replace(choice, refusal=choice.refusal + fuzz_hint(choose_at, max_fuzz))
+
+
+def _planner(tree: TreeReader) -> Planner:
+    return lambda series, max_fuzz: plan_series(series, tree, max_fuzz=max_fuzz)
+
+
+def _select(catalogue: Catalogue, tree: TreeReader, plan: Callable[[Series], SeriesPlan]) -> Choice:
+    """Recognition, then the best-fit fallback (docs/selection.md); a Choice with ``refusal``
+    set (the nearest series) when nothing ports."""
     facts = read_facts(tree, catalogue.forks)
     series_pool = family(catalogue, facts)
     if not series_pool:
@@ -139,14 +180,14 @@ def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) 
     candidates = [s for s in series_pool if recognised(s, facts, tree)]
     described = facts.description
     if len(candidates) == 1:
-        plan = plan_series(candidates[0], tree, max_fuzz=max_fuzz)
-        if plan.ok:
-            return Choice(candidates[0], plan, f"{described} is in its range ({candidates[0].tested_range})")
-        plans = [plan] + [plan_series(s, tree, max_fuzz=max_fuzz) for s in series_pool if s is not candidates[0]]
+        first = plan(candidates[0])
+        if first.ok:
+            return Choice(candidates[0], first, f"{described} is in its range ({candidates[0].tested_range})")
+        plans = [first] + [plan(s) for s in series_pool if s is not candidates[0]]
         why = f"{described} matches {candidates[0].name} but it does not apply"
     else:
         pool = candidates or series_pool
-        plans = [plan_series(s, tree, max_fuzz=max_fuzz) for s in pool]
+        plans = [plan(s) for s in pool]
         why = (
             f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
         )
@@ -156,7 +197,30 @@ def choose_series(catalogue: Catalogue, tree: TreeReader, *, max_fuzz: int = 0) 
         best = min(fitting, key=_fit_cost)
         return Choice(best.series, best, f"{why}; a dry run fits {best.series.name} best")
     nearest = min(plans, key=lambda p: (p.conflicts, -_applied_patches(p)))
-    raise MegaportError(no_fit_message(nearest, why))
+    return Choice(nearest.series, nearest, why, refusal=no_fit_message(nearest, why))
+
+
+def fuzz_hint(choose_at: Callable[[int], Choice], max_fuzz: int) -> str:
+    """'; --fuzz N ports it with SERIES, ...' for the smallest N above ``max_fuzz`` at which the
+    same decision ports the tree, saying which hunks then land on unmatched context; '' when none
+    does. Porting at the most fuzz is tried first: a tree no fuzz ports costs one more dry run."""
+    if max_fuzz >= MAX_FUZZ:
+        return ""
+    choice, fuzz = choose_at(MAX_FUZZ), MAX_FUZZ
+    if choice.refusal:
+        return ""
+    for less in range(max_fuzz + 1, MAX_FUZZ):
+        found = choose_at(less)
+        if not found.refusal:
+            choice, fuzz = found, less
+            break
+    fuzzy = [h for p in choice.plan.patches if p.result for f in p.result.files for h in f.hunks if h.outcome == "fuzz"]
+    where = ", ".join(f"{h.file} hunk #{h.index} at line {h.line}" for h in fuzzy[:3]) + (", ..." if len(fuzzy) > 3 else "")
+    hunks = f"{len(fuzzy)} hunk" + ("s" if len(fuzzy) != 1 else "")
+    return (
+        f"; --fuzz {fuzz} would port it with {choice.series.name}, placing {hunks} where up to {fuzz} of "
+        f"their context lines do not match upstream ({where}): check those lines in the ported tree"
+    )
 
 
 def _fit_cost(plan: SeriesPlan) -> tuple[int, int, int]:
@@ -211,7 +275,20 @@ def failure_location(result) -> str:
     return "?"
 
 
-def forced_choice(catalogue: Catalogue, name: str, tree: TreeReader, *, max_fuzz: int = 0) -> Choice:
-    """``--series NAME``: no recognition, but the same dry run."""
+def forced_choice(
+    catalogue: Catalogue, name: str, tree: TreeReader, *, max_fuzz: int = 0, planner: Planner | None = None
+) -> Choice:
+    """``--series NAME``: no recognition, but the same dry run, and the same refusal in drift."""
     series = catalogue.get(name)
-    return Choice(series, plan_series(series, tree, max_fuzz=max_fuzz), "chosen with --series")
+    plan = planner or _planner(tree)
+    return _at_fuzz(lambda fuzz: _forced(series, tree, plan(series, fuzz)), max_fuzz)
+
+
+def _forced(series: Series, tree: TreeReader, dry_run: SeriesPlan) -> Choice:
+    """The named series, refused with the patch and hunk where its dry run stopped."""
+    refusal = ""
+    if not dry_run.ok:
+        commit = getattr(tree, "commit", "")
+        where = f" to {commit[:12]}" if commit else ""
+        refusal = f"series {series.name} does not apply{where}: {dry_run.failed.name}: {failure_location(dry_run.failed.result)}"
+    return Choice(series, dry_run, "chosen with --series", refusal=refusal)

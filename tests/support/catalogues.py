@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from megaport.catalogue import PORT_DIR, load_catalogue
+from megaport.catalogue import COMMON_DIRS, load_catalogue
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,11 +27,12 @@ def write_catalogue(
 
 
 def copy_shipped(target: Path) -> Path:
-    """The shipped catalogue's series (those catalogue.toml names) and their shared port patches,
-    in ``target`` (other people's series folders may be in progress beside them)."""
+    """The shipped catalogue's series (those catalogue.toml names) and the patches they share
+    (port/, shared/), in ``target`` (other people's series folders may be in progress beside them)."""
     target.mkdir()
     shutil.copy2(ROOT / "patches" / "catalogue.toml", target / "catalogue.toml")
-    shutil.copytree(ROOT / "patches" / PORT_DIR, target / PORT_DIR)
+    for common in COMMON_DIRS:
+        shutil.copytree(ROOT / "patches" / common, target / common)
     for series in load_catalogue(ROOT / "patches").series:
         shutil.copytree(series.directory, target / series.name)
     return target

@@ -65,8 +65,8 @@ def apply(options: ApplyOptions, make_console: Callable) -> int:
         console.print(f"upstream {resolved.url} @ {options.ref} = {resolved.sha[:12]}")
         console.print(f"series [bold]{choice.series.name}[/] ({choice.series.era}): {choice.reason}")
         render_plan(console, choice.plan, title="dry run" if options.dry_run else "patches")
-        if not choice.plan.ok:
-            message = _failure_message(choice, resolved)
+        if choice.refusal:
+            message = f"{choice.refusal}; nothing was written (try another --series, or refresh the series for this ref)"
             _report(options, resolved, choice.plan, choice.reason, "failed", error=message)
             raise MegaportError(message)
         if options.dry_run:
@@ -99,17 +99,6 @@ def _choose(options: ApplyOptions, catalogue, resolved: ResolvedRef, tree: BlobR
 def _in_use(dest: Path) -> bool:
     """DEST already has content: an earlier port to check, or a tree to refuse."""
     return dest.exists() and not (dest.is_dir() and not any(dest.iterdir()))
-
-
-def _failure_message(choice: Choice, resolved: ResolvedRef) -> str:
-    from megaport.selection import failure_location
-
-    failed = choice.plan.failed
-    where = failure_location(failed.result)
-    return (
-        f"series {choice.series.name} does not apply to {resolved.sha[:12]}: {failed.name}: {where}; "
-        "nothing was written (try another --series, or refresh the series for this ref)"
-    )
 
 
 def _report(options, resolved, plan, reason, status, error=None) -> None:

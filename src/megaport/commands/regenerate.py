@@ -1,4 +1,5 @@
-"""``megaport regenerate``: render the one replacement source into every port variant."""
+"""``megaport regenerate``: render the one replacement source into every port variant, and store
+once each patch several series carry."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ def regenerate_series(console, *, patches: str | None = None, check: bool = Fals
     for result in results:
         if not result.changed:
             word = "up to date"
+        elif result.removed:
+            word = "[red]is stored once elsewhere or listed by none[/]" if check else "[green]removed[/]"
         else:
             word = "[red]differs from the source[/]" if check else "[green]regenerated[/]"
         console.print(f"{result.series:<24} {result.patch.name}: {word}")

@@ -360,16 +360,15 @@ def _family_rows(document: dict, state: PortState):
 
 def layout_row(checks: dict) -> str:
     """One family in one layout: each check's verdict and figures, and what the port said."""
+    from megaport.train.checks import registry as check_registry
+
     parts = []
     for name, compared in checks.items():
         if "error" in compared:
             parts.append(f"{name}: did not train: {compared['error']}")
             continue
         verdict = "holds" if not compared.get("problems") else "FAILS: " + compared["problems"][0].splitlines()[0]
-        norms = (f", grad norm {compared['grad_norm_max_relative_difference']:.1e}"
-                 if compared.get("grad_norm_compared") else "")
-        parts.append(f"vs {compared.get('against', name)} {verdict} (loss {compared['max_relative_difference']:.1e}"
-                     f"{norms} over {len(compared['iterations'])}, loss -{compared['loss_drop']:.0%})")
+        parts.append(f"vs {compared.get('against', name)} {verdict} ({check_registry.CHECKS[name].figures(compared)})")
     return "; ".join(parts)
 
 

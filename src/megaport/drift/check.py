@@ -100,12 +100,9 @@ def check_series(
     locate_moved: Locator = lambda path, pre: (None, "file does not exist"),
     max_fuzz: int = 2,
     memo: Optional[dict] = None,
-    diagnose: bool = True,
 ) -> SeriesDrift:
     """Check every patch of ``loaded`` on ``tree`` (``read``/``exists``). ``memo`` (a dict kept
-    across calls) reuses a patch's result on refs where the files it touches are the same.
-    ``diagnose=False`` gives the same statuses without saying where a conflicting hunk comes
-    closest or where a missing file went: what ``--series auto`` needs to rank series."""
+    across calls) reuses a patch's result on refs where the files it touches are the same."""
     from megaport.plan import _skip_reason  # the same rule apply uses
 
     overlay: dict[str, Optional[bytes]] = {}
@@ -123,7 +120,6 @@ def check_series(
             continue
         drift, writes = check_patch(
             item, read, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz, memo=memo,
-            diagnose=diagnose,
         )
         overlay.update(writes)
         results.append(drift)
@@ -138,7 +134,6 @@ def check_patch(
     locate_moved: Locator = lambda path, pre: (None, "file does not exist"),
     max_fuzz: int = 2,
     memo: Optional[dict] = None,
-    diagnose: bool = True,
 ) -> tuple[PatchDrift, dict[str, Optional[bytes]]]:
     """One patch on the files ``read`` returns, and what the next patch should see.
 
@@ -153,26 +148,18 @@ def check_patch(
     if memo is not None:
         # The result depends only on the patch and the bytes of the files it touches; a result
         # with missing files also on the commit (where did they go?), so those are not kept.
-        key = (item.digest, item.file.name, max_fuzz, diagnose, tuple((p, None if c is None else git_blob_id(c)) for p, c in before.items()))
+        key = (item.digest, item.file.name, max_fuzz, tuple((p, None if c is None else git_blob_id(c)) for p, c in before.items()))
         if key in memo:
             return memo[key]
-    if not diagnose:
-        locate_moved = _not_located
-    found = _check_patch(
-        item, read, before, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz, find_nearest=diagnose
-    )
+    found = _check_patch(item, read, before, preimage=preimage, locate_moved=locate_moved, max_fuzz=max_fuzz)
     if key is not None and found[0].status != MISSING and not any(h.status == MISSING for h in found[0].hunks):
         memo[key] = found
     return found
 
 
-def _not_located(path: str, preimage: Optional[bytes]) -> tuple[Optional[str], str]:
-    return None, "file does not exist (not located)"
-
-
-def _check_patch(item, read, before, *, preimage, locate_moved, max_fuzz, find_nearest=True):
+def _check_patch(item, read, before, *, preimage, locate_moved, max_fuzz):
     patch = item.patch
-    result = apply_patch(patch, read, max_fuzz=max_fuzz, find_nearest=find_nearest)
+    result = apply_patch(patch, read, max_fuzz=max_fuzz)
     hunks: list[HunkDrift] = []
     writes: dict[str, Optional[bytes]] = {}
     resolved = True

@@ -8,6 +8,8 @@
 * each ``[[port]]`` variant is valid, distinct and taken by some series, ``port/`` holds exactly
   the shared patches megaport writes for them, and a series with ``port = "<variant>"`` lists
   that variant's shared patches first, in order (shared patches carry no range trailer);
+* a patch is stored once: no two patches (series folders and ``shared/``) are the same but for
+  their range trailers, and each file in ``shared/`` is listed by two series or more;
 * no patch names a path outside the tree (``engine.check_patch_paths``) or creates a symlink;
 * every entry's fields and ``[series.recognise]`` rules parse.
 
@@ -24,12 +26,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaport.catalogue import (
-    CATALOGUE_FILE, LIST_FILE, PATCHES_ENV, PORT_BASE, PORT_DIR, PORT_KEYS, PortVariant, list_entries, port_entry,
+    CATALOGUE_FILE, COMMON_DIRS, LIST_FILE, PATCHES_ENV, PORT_BASE, PORT_DIR, PORT_KEYS, SHARED_DIR, PortVariant,
+    list_entries, read_list,
 )
 from megaport.engine import PatchFormatError, UnsafePathError, check_patch_paths, parse_patch
 from megaport.engine.paths import unsafe_reason
 from megaport.errors import MegaportError
 from megaport.portpatches import port_patches
+from megaport.regenerate import with_range_trailers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -90,6 +94,7 @@ def lint_catalogue(root: Path) -> list[Problem]:
     ports = _check_ports(root, data.get("port", []), problems)
     names: list[str] = []
     taken: set[str] = set()
+    listers: dict[Path, list[str]] = {}
     for number, entry in enumerate(entries, 1):
         name = _check_entry(path, number, entry, problems, ports)
         if name is None:
@@ -99,11 +104,13 @@ def lint_catalogue(root: Path) -> list[Problem]:
             continue
         names.append(name)
         taken.add(entry.get("port"))
-        problems.extend(_check_folder(root, name, entry, ports))
+        problems.extend(_check_folder(root, name, entry, ports, listers))
     problems.extend(Problem(path, f"[[port]] {name} is taken by no series; remove it") for name in ports if name not in taken)
     problems.extend(_check_port_folder(root, ports))
+    problems.extend(_check_shared_folder(root, listers))
+    problems.extend(_check_stored_once(root, listers))
     for child in sorted(root.iterdir()):
-        if child.name == PORT_DIR and child.is_dir():
+        if child.name in COMMON_DIRS and child.is_dir():
             continue
         if child.is_dir() and child.name not in names and not child.name.startswith((".", "_")) and child.name not in _IGNORED_DIRS:
             problems.append(Problem(child, f"folder is not in {CATALOGUE_FILE}; add a [[series]] entry named '{child.name}' or remove it"))
@@ -168,8 +175,9 @@ def _check_entry(path: Path, number: int, entry: Any, problems: list[Problem],
         problems.append(Problem(path, f"{where} is not a table"))
         return None
     name = entry.get("name")
-    if not isinstance(name, str) or not _NAME.match(name) or name == PORT_DIR:
-        problems.append(Problem(path, f"{where}: name {name!r} must be a plain folder name other than '{PORT_DIR}'"))
+    if not isinstance(name, str) or not _NAME.match(name) or name in COMMON_DIRS:
+        problems.append(Problem(path, f"{where}: name {name!r} must be a plain folder name other than "
+                                      f"'{PORT_DIR}' or '{SHARED_DIR}'"))
         return None
     where = f"series '{name}'"
     for key in sorted(set(entry) - _ENTRY_KEYS):
@@ -245,7 +253,10 @@ def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) and v for v in value)
 
 
-def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, PortVariant]] = None) -> list[Problem]:
+def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, PortVariant]] = None,
+                  listers: Optional[dict[Path, list[str]]] = None) -> list[Problem]:
+    """The series' folder and list; ``listers`` gathers which series list each patch of theirs
+    (not the port's)."""
     folder = root / name
     if not folder.is_dir():
         return [Problem(root / CATALOGUE_FILE, f"series '{name}' has no folder {name}/; create it or remove the entry")]
@@ -253,28 +264,69 @@ def _check_folder(root: Path, name: str, entry: dict, ports: Optional[dict[str, 
     if not listing.is_file():
         return [Problem(folder, f"no '{LIST_FILE}' list file; list the patches in order, one per line")]
     problems = []
-    listed: list[str] = []
+    listed: list[Path] = []
     shared: list[tuple[int, str]] = []
-    for number, item in list_entries(listing):
-        if port_entry(item):
-            if not (folder / item).is_file():
+    listers = {} if listers is None else listers
+    for number, item, patch in read_list(folder):
+        if patch is None:
+            problems.append(Problem(listing, f"'{item}' must be a file name in this folder, ../{PORT_DIR}/<folder>/<file> "
+                                             f"or ../{SHARED_DIR}/<folder>/<file>", number))
+        elif patch.port:
+            if not patch.path.is_file():
                 problems.append(Problem(listing, f"names {item}, which does not exist; fix the line or run 'megaport regenerate'", number))
             shared.append((number, item))
-        elif "/" in item or item.startswith("."):
-            problems.append(Problem(listing, f"'{item}' must be a file name in this folder or ../{PORT_DIR}/<folder>/<file>", number))
-        elif item in listed:
+        elif patch.path in listed:
             problems.append(Problem(listing, f"'{item}' is listed twice; remove one line", number))
-        elif not (folder / item).is_file():
+        elif not patch.path.is_file():
             problems.append(Problem(listing, f"names {item}, which does not exist; fix the name or remove the line", number))
         else:
-            listed.append(item)
-            problems.extend(lint_patch(folder / item, entry))
+            listed.append(patch.path)
+            listers.setdefault(patch.path, []).append(name)
+            if not patch.shared:
+                problems.extend(lint_patch(patch.path, entry))
     problems.extend(_check_shared_lines(listing, entry, shared, ports or {}))
     if not listed and not shared and not problems:
         problems.append(Problem(listing, "lists no patches"))
     for stray in sorted(folder.glob("*.patch")):
-        if stray.name not in listed:
+        if stray not in listed:
             problems.append(Problem(stray, f"not in {name}/{LIST_FILE}; list it or remove it"))
+    return problems
+
+
+def _check_shared_folder(root: Path, listers: dict[Path, list[str]]) -> list[Problem]:
+    """Each file in ``shared/`` is a valid patch that two series or more list."""
+    folder = root / SHARED_DIR
+    problems = []
+    found = sorted(folder.glob("*/*")) if folder.is_dir() else []
+    for path in found:
+        if path.name.startswith(".") or path.parent.name in _IGNORED_DIRS:
+            continue
+        series = listers.get(path, [])
+        if path.suffix != ".patch" or not series:
+            problems.append(Problem(path, "listed by no series; remove it (or run 'megaport regenerate')"))
+        elif len(series) == 1:
+            problems.append(Problem(path, f"listed by {series[0]} alone; run 'megaport regenerate' to move it into {series[0]}/"))
+        else:
+            problems.extend(lint_patch(path))
+    return problems
+
+
+def _check_stored_once(root: Path, listers: dict[Path, list[str]]) -> list[Problem]:
+    """No two listed patch files are the same patch but for their Upstream-Range trailers: such a
+    patch is stored once, in ``shared/``, and each series lists it there."""
+    first: dict[bytes, Path] = {}
+    problems = []
+    for path in listers:
+        try:
+            body = with_range_trailers(path.read_bytes(), [])
+        except MegaportError:
+            continue  # no diff: reported by lint_patch
+        if body in first:
+            other = first[body].relative_to(root).as_posix()
+            problems.append(Problem(path, f"the same patch as {other} but for its '{TRAILER}'; run 'megaport regenerate' "
+                                          f"to store it once in {SHARED_DIR}/"))
+        else:
+            first[body] = path
     return problems
 
 

@@ -182,9 +182,22 @@ class SeriesDrift:
     patches: tuple[PatchDrift, ...]
     reason: str = ""
     series_dir: Optional[Path] = field(default=None, compare=False)
+    # apply's one-line error when ``megaport apply`` would refuse this series on this commit
+    # (megaport.selection.decide); then the result is a conflict whatever its hunks say.
+    refusal: str = ""
+    # apply's dry run of this series lands, and apply still refuses it: a fallback that lands only by
+    # skipping patches of folders the tree has. A refresh of this series cannot help.
+    refused_landing: bool = False
 
     @property
     def status(self) -> str:
+        """The hunks' worst word; ``conflict`` where apply refuses a series whose hunks all land."""
+        words = self.hunk_status
+        return CONFLICT if self.refusal and words not in BROKEN else words
+
+    @property
+    def hunk_status(self) -> str:
+        """The worst word of the patches that were checked: what a refresh would have to fix."""
         return worst((p.status for p in self.patches if p.status != SKIPPED), default=CLEAN)
 
     @property
@@ -203,8 +216,15 @@ class SeriesDrift:
         return counts
 
     @property
+    def refused_only(self) -> bool:
+        """Apply refuses it though no hunk is broken (fuzz, a merge, skipped patches): the report
+        must say so on its own, as no hunk will."""
+        return bool(self.refusal) and self.hunk_status not in BROKEN
+
+    @property
     def exit_code(self) -> int:
-        return exit_code_for(p.status for p in self.patches)
+        """2 where apply refuses (even on hunks that all land at drift's ``--fuzz``), else by word."""
+        return EXIT_BROKEN if self.refusal else exit_code_for(p.status for p in self.patches)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -212,6 +232,7 @@ class SeriesDrift:
             "sha": self.sha,
             "series": self.series,
             "reason": self.reason,
+            "refusal": self.refusal or None,
             "status": self.status,
             "counts": {s: self.counts[s] for s in STATUSES if s in self.counts},
             "patches": [patch.to_dict() for patch in self.patches],

@@ -2,7 +2,9 @@
 
 A patch whose hunks are all clean on the ref keeps its file byte for byte; a shared port patch
 (``port/``) must be one of those, since other series take it too, and the refreshed list names it
-where the original did. A patch with hunks that moved (offset), needed fuzz or a three-way merge
+where the original did. A patch stored once for several series (``shared/``) stays there when it is
+kept; regenerated, the series gets its own copy (``megaport regenerate`` shares it again if another
+series carries the same). A patch with hunks that moved (offset), needed fuzz or a three-way merge
 is regenerated file by file: each file section whose hunks are all clean is kept verbatim; the
 others are rediffed with three lines of context from the ref's file (``engine.make_file_diff``),
 with new full blob ids on the ``index`` line and the original file mode. The mail header and
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megaport.catalogue import CATALOGUE_FILE, LIST_FILE, Catalogue, PatchFile, Series
+from megaport.catalogue import CATALOGUE_FILE, LIST_FILE, Catalogue, PatchFile, Series, rewrite_list
 from megaport.engine import make_file_diff
 from megaport.engine.diff import with_function_names
 from megaport.errors import MegaportError
@@ -154,8 +156,10 @@ def loaded_from_exports(series: Series, exported: list[ExportedPatch], directory
         if patch.data is None:
             continue
         text = patch.data.decode("utf-8", "surrogateescape")
-        path = original.path if original.port else directory / patch.name
-        items.append(loaded_patch(PatchFile(patch.name, path, original.port), text))
+        if own_copy(original, patch):
+            items.append(loaded_patch(PatchFile(patch.name, directory / patch.name), text))
+        else:
+            items.append(loaded_patch(original, text))
     return LoadedSeries(series, tuple(items))
 
 
@@ -171,17 +175,25 @@ def verify(series: Series, exported: list[ExportedPatch], tree, result: SeriesDr
 # --- writing --------------------------------------------------------------------------------
 
 
+def own_copy(original: PatchFile, patch: ExportedPatch) -> bool:
+    """Whether the refreshed series carries the patch in its own folder: not a port patch, not
+    dropped, and not a ``shared/`` patch kept as it is."""
+    return not original.port and patch.data is not None and not (original.shared and patch.action == KEPT)
+
+
 def list_file_text(series: Series, exported: list[ExportedPatch]) -> bytes:
-    """The series list file with dropped patches' lines removed (comments and order kept)."""
-    dropped = {p.name for p in exported if p.action == DROPPED}
+    """The series list file with dropped patches' lines removed and regenerated shared patches named
+    by their own copy (comments and order kept)."""
+    renames: dict[str, str | None] = {}
+    for original, patch in zip(series.patches, exported):
+        if patch.data is None:
+            renames[original.entry] = None
+        elif original.shared and own_copy(original, patch):
+            renames[original.entry] = patch.name
     original = (series.directory / LIST_FILE).read_bytes()
-    if not dropped:
+    if not renames:
         return original
-    kept = [
-        line for line in original.decode("utf-8").splitlines(keepends=True)
-        if line.split("#", 1)[0].strip() not in dropped
-    ]
-    return "".join(kept).encode("utf-8")
+    return rewrite_list(original.decode("utf-8"), renames).encode("utf-8")
 
 
 def write_new_series(
@@ -201,7 +213,7 @@ def write_new_series(
     tmp = Path(tempfile.mkdtemp(prefix=f".{new_name}.tmp-", dir=catalogue.root))
     try:
         for original, patch in zip(series.patches, exported):
-            if patch.data is not None and not original.port:  # a shared port patch stays shared
+            if own_copy(original, patch):  # a shared patch kept as it is stays shared
                 (tmp / patch.name).write_bytes(patch.data)
         (tmp / LIST_FILE).write_bytes(list_file_text(series, exported))
         os.rename(tmp, target)
@@ -225,9 +237,9 @@ def write_in_place(series: Series, exported: list[ExportedPatch]) -> list[str]:
     directory = series.directory
     for original, patch in zip(series.patches, exported):
         path = directory / patch.name
-        if patch.data is None or original.port:  # shared port patches are only ever kept
+        if not own_copy(original, patch):  # port patches are only ever kept, shared ones stay kept
             continue
-        if path.read_bytes() != patch.data:
+        if not path.is_file() or path.read_bytes() != patch.data:
             _atomic_write(path, patch.data)
             changed.append(patch.name)
     listing = list_file_text(series, exported)

@@ -54,6 +54,8 @@ def print_text(console, report: DriftReport) -> None:
             f"[bold]{escape(result.ref)}[/] ({result.sha[:12]})  [bold]{escape(result.series)}[/]  "
             f"[{style}]{result.status}[/]" + (f"  [dim]{escape(result.reason)}[/]" if result.reason else "")
         )
+        if result.refusal:
+            console.print(f"    [bold red]apply refuses:[/] {escape(result.refusal)}")
         quiet: dict[str, int] = {}
         for patch in result.patches:
             if patch.status in (CLEAN, SKIPPED):
@@ -89,11 +91,15 @@ def refresh_hints(report: DriftReport) -> list[str]:
     users the one command too), and which series need hands."""
     hints: dict[str, str] = {}
     for result in report.results:
-        if result.status in DRIFT:
+        if result.refused_landing:
+            hints[f"refused:{result.series}:{result.ref}"] = (
+                f"{result.series} lands on {result.ref} only by skipping patches: the tree needs a series of its own"
+            )
+        elif result.hunk_status in DRIFT:
             hints[f"drift:{result.series}"] = (
                 f"refresh: megaport refresh --series {result.series} --ref {result.ref} --as NEW (or --in-place)"
             )
-        elif result.status in BROKEN:
+        elif result.hunk_status in BROKEN:
             hints[f"broken:{result.series}:{result.ref}"] = (
                 f"{result.series} does not apply to {result.ref}: resolve its conflicting hunks by hand"
             )
@@ -174,7 +180,13 @@ def render_junit(report: DriftReport) -> str:
         for name, value in (("ref", result.ref), ("sha", result.sha), ("series", result.series),
                             ("status", result.status), ("reason", result.reason)):
             ET.SubElement(properties, "property", name=name, value=value)
+        if result.refusal:
+            ET.SubElement(properties, "property", name="refusal", value=result.refusal)
         suite_failures = suite_skipped = 0
+        if result.refused_only:
+            case = ET.SubElement(suite, "testcase", classname=f"drift.{result.series}", name="megaport apply")
+            ET.SubElement(case, "failure", type="refused", message=result.refusal)
+            suite_failures += 1
         for patch in result.patches:
             case = ET.SubElement(suite, "testcase", classname=f"drift.{result.series}", name=patch.name)
             if patch.status in BROKEN:
@@ -187,11 +199,11 @@ def render_junit(report: DriftReport) -> str:
                 ET.SubElement(case, "skipped", message=patch.reason)
             out = [f"{patch.status}: {patch.summary}"] + [h.detail for h in patch.hunks if h.status != CLEAN]
             ET.SubElement(case, "system-out").text = "\n".join(out)
-        suite.set("tests", str(len(result.patches)))
+        suite.set("tests", str(len(result.patches) + result.refused_only))
         suite.set("failures", str(suite_failures))
         suite.set("errors", "0")
         suite.set("skipped", str(suite_skipped))
-        total += len(result.patches)
+        total += len(result.patches) + result.refused_only
         failures += suite_failures
         skipped += suite_skipped
     suites.set("tests", str(total))
@@ -210,6 +222,9 @@ def render_github(report: DriftReport, cwd: Optional[Path] = None) -> str:
     hunk that is not clean, and a ``::notice`` with the summary."""
     lines = []
     for result in report.results:
+        if result.refused_only:
+            title = f"apply refuses: {result.ref} / {result.series}"
+            lines.append(f"::error {_props({'title': title})}::{_escape_data(result.refusal)}")
         for patch in result.patches:
             for hunk in patch.hunks:
                 if hunk.status == CLEAN:

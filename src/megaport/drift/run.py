@@ -3,18 +3,19 @@ straight from the cached repository (no checkout, one ``git cat-file`` process f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megaport.catalogue import Catalogue, Series, load_catalogue
 from megaport.errors import MegaportError
 from megaport.git import BlobReader, ObjectReader, is_shallow
-from megaport.selection import family, read_facts, recognised
+from megaport.plan import SeriesPlan, plan_series
+from megaport.selection import Choice, Planner, decide, forced_choice
 from megaport.store import Store
 
 from .check import LoadedSeries, check_series, load_series
-from .model import BROKEN, CONFLICT, FUZZ, MISSING, OFFSET, SKIPPED, THREEWAY, DriftReport, SeriesDrift
+from .model import DriftReport, SeriesDrift
 from .refs import Target, resolve_targets
 from .renames import MoveFinder
 
@@ -30,6 +31,8 @@ class DriftOptions:
     patches: Optional[str] = None
     last: Optional[int] = None
     max_fuzz: int = 2
+    # the --fuzz of the `megaport apply` whose verdict each result carries (apply's default)
+    apply_fuzz: int = 0
 
 
 def run_drift(options: DriftOptions, *, store: Optional[Store] = None, on_result: Callable[[SeriesDrift], None] | None = None) -> DriftReport:
@@ -40,7 +43,9 @@ def run_drift(options: DriftOptions, *, store: Optional[Store] = None, on_result
     url, repo, targets = resolve_targets(store, options.repo, options.refs, last=options.last)
     results: list[SeriesDrift] = []
     with ObjectReader(repo) as objects:
-        session = DriftSession(catalogue, objects, store, url, repo, targets, max_fuzz=options.max_fuzz)
+        session = DriftSession(
+            catalogue, objects, store, url, repo, targets, max_fuzz=options.max_fuzz, apply_fuzz=options.apply_fuzz
+        )
         for target in targets:
             for result in session.check(target, mode):
                 results.append(result)
@@ -63,7 +68,7 @@ class DriftSession:
 
     def __init__(
         self, catalogue: Catalogue, objects: ObjectReader, store: Store, url: str, repo: Path,
-        targets: Sequence[Target], *, max_fuzz: int = 2,
+        targets: Sequence[Target], *, max_fuzz: int = 2, apply_fuzz: int = 0,
     ) -> None:
         self.catalogue = catalogue
         self.objects = objects
@@ -71,11 +76,13 @@ class DriftSession:
         self.url = url
         self.repo = repo
         self.max_fuzz = max_fuzz
+        self.apply_fuzz = apply_fuzz
         self._loaded: dict[str, LoadedSeries] = {}
         self._tried: set[str] = set()
         self._fetch_failed: set[str] = set()  # repositories whose tested shas could not be fetched
         self._is_shallow: Optional[bool] = None
         self._memo: dict = {}
+        self._plans: dict = {}  # apply's patch results, by patch and file contents (plan_series)
         tested = [t.sha for s in catalogue.series for t in s.tested if t.sha]
         bases = [sha for sha in dict.fromkeys(tested) if self._has_commit(sha)]
         self.moves = MoveFinder(repo, objects, bases + [t.sha for t in targets])
@@ -86,50 +93,40 @@ class DriftSession:
         return self._loaded[series.name]
 
     def check(self, target: Target, mode) -> list[SeriesDrift]:
-        """The results for one commit: the chosen series (auto), every series, or the named ones."""
+        """The results for one commit: the chosen series (auto), every series, or the named ones;
+        each with apply's own verdict on it (:func:`megaport.selection.decide`)."""
         tree = self.objects.tree(target.sha)
-        if mode == ALL:
-            return [self.check_one(target, tree, s, "every series (--series all)") for s in self.catalogue.series]
-        if mode != AUTO:
-            return [self.check_one(target, tree, s, "chosen with --series") for s in mode]
-        return [self.choose(target, tree)]
-
-    def choose(self, target: Target, tree: BlobReader) -> SeriesDrift:
-        """megaport's recognition (docs/selection.md); when it names none or several series, the
-        one that fits best."""
-        facts = read_facts(tree, self.catalogue.forks)
-        series_pool = family(self.catalogue, facts) or list(self.catalogue.series)
-        candidates = [s for s in series_pool if recognised(s, facts, tree)]
-        described = facts.description
-        if len(candidates) == 1:
-            series = candidates[0]
-            only = self.check_one(target, tree, series, f"{described} is in its range ({series.tested_range})")
-            if only.status not in BROKEN:
-                return only
-            # As apply does: a recognised series that does not apply yields to the best fit.
-            pool = series_pool
-            why = f"{described} matches {series.name} but it does not apply"
+        planner = self.planner(tree)
+        if mode == AUTO:
+            choices = [decide(self.catalogue, tree, max_fuzz=self.apply_fuzz, planner=planner)]
         else:
-            pool = candidates or series_pool
-            why = f"{described} matches {len(candidates)} series" if candidates else f"{described} matches no series range"
-        # Ranking needs only statuses; the nearest matches and moved files of the one reported are
-        # looked for once it is chosen (a third of the time of a long history on drift_history.py).
-        checked = [self.check_one(target, tree, s, "", diagnose=False) for s in pool]
-        best = min(checked, key=fit_cost)
-        if best.status in BROKEN:
-            best = self.check_one(target, tree, self.catalogue.get(best.series), "")
-        verdict = "fits best" if best.status not in BROKEN else "is the nearest (none applies)"
-        return SeriesDrift(
-            best.ref, best.sha, best.series, best.patches, f"{why}; {best.series} {verdict}", best.series_dir
-        )
+            named = self.catalogue.series if mode == ALL else mode
+            choices = [
+                forced_choice(self.catalogue, s.name, tree, max_fuzz=self.apply_fuzz, planner=planner) for s in named
+            ]
+        reason = "every series (--series all)" if mode == ALL else None
+        return [self.verdict(target, tree, choice, reason or choice.reason) for choice in choices]
 
-    def check_one(
-        self, target: Target, tree: BlobReader, series: Series, reason: str, *, diagnose: bool = True
-    ) -> SeriesDrift:
+    def verdict(self, target: Target, tree: BlobReader, choice: Choice, reason: str) -> SeriesDrift:
+        """Every hunk's word for the series apply's decision chose (or came nearest with)."""
+        result = self.check_one(target, tree, choice.series, reason)
+        return replace(result, refusal=choice.refusal, refused_landing=bool(choice.refusal) and choice.plan.ok)
+
+    def planner(self, tree: BlobReader) -> Planner:
+        """apply's dry run on ``tree``, on the patches this run parsed once."""
+
+        def plan(series: Series, max_fuzz: int) -> SeriesPlan:
+            patches = tuple(item.patch for item in self.loaded(series).patches)
+            return plan_series(series, tree, max_fuzz=max_fuzz, patches=patches, memo=self._plans)
+
+        return plan
+
+    def check_one(self, target: Target, tree: BlobReader, series: Series, reason: str) -> SeriesDrift:
+        """Every hunk's word for one series on one commit (where conflicts come closest included)."""
         return check_series(
             self.loaded(series), tree, ref=target.ref, sha=target.sha, reason=reason,
             preimage=self.preimages(series), locate_moved=self.locator(series, target.sha),
-            max_fuzz=self.max_fuzz, memo=self._memo, diagnose=diagnose,
+            max_fuzz=self.max_fuzz, memo=self._memo,
         )
 
     def preimages(self, series: Series) -> Callable[[Optional[str]], Optional[bytes]]:
@@ -187,23 +184,3 @@ class DriftSession:
     def _has_commit(self, sha: str) -> bool:
         found = self.objects.get(sha)
         return found is not None and found[0] == "commit"
-
-
-def fit_cost(result: SeriesDrift) -> tuple:
-    """How well a series fits, for ``--series auto`` without a single recognised series; the
-    same order as ``megaport apply``'s selection: a series that applies beats one that does not,
-    one that changes nothing (every patch skipped) fits nothing, fewer skipped patches come first
-    (a series that skips its training patches on a full tree is from another era), then fewer
-    conflicting hunks, merges, fuzz and offsets."""
-    counts = result.counts
-    broken = counts.get(CONFLICT, 0) + counts.get(MISSING, 0)
-    checked = [p for p in result.patches if p.status != SKIPPED]
-    return (
-        broken > 0,
-        not checked,
-        broken,
-        len(result.patches) - len(checked),
-        counts.get(THREEWAY, 0),
-        counts.get(FUZZ, 0),
-        counts.get(OFFSET, 0),
-    )

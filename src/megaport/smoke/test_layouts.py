@@ -33,8 +33,9 @@ def pytest_generate_tests(metafunc):
         runs, absent = planner.plan(str(smoke.tree), layouts.select(config.getoption("--megaport-layouts")),
                                     checks.select(config.getoption("--megaport-checks")),
                                     models=[m.strip() for m in models.split(",")] if models else None)
+        runs, off_gpu = _on_the_cpu_where_they_can(smoke, runs)
         smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}{f' vs {a.check}' if a.check else ''}: {a.why}"
-                                         for a in absent]
+                                         for a in absent] + off_gpu
         if not runs:  # an empty parameter set would be a skip: deselected instead (conftest)
             metafunc.parametrize("planned", [pytest.param(None, marks=pytest.mark.no_layout_runs)], ids=["none"])
             return
@@ -61,6 +62,20 @@ def _where(smoke, layout) -> tuple:
     if have < layout.ranks.world:
         return False, f"the machine has {have} GPU(s), the layout needs {layout.ranks.world}: on the CPU"
     return True, ""
+
+
+def _on_the_cpu_where_they_can(smoke, runs) -> tuple:
+    """The runs that can train where :func:`_where` puts them, and one line for each that cannot:
+    a GPU-only layout without enough GPUs is listed, never a test that skips."""
+    kept, listed = [], []
+    for run in runs:
+        gpu, why = _where(smoke, run.layout)
+        if run.layout.gpu_only and not gpu:
+            listed.append(f"{run.family.name} in {run.layout.name} vs {run.check.name}: GPUs only "
+                          f"({run.layout.gpu_only}); {why or 'no GPU here'}")
+        else:
+            kept.append(run)
+    return kept, listed
 
 
 def test_layout_trains_and_matches(smoke, context, planned):

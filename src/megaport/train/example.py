@@ -221,6 +221,9 @@ class Sizes:
     steps: int = 100
     # mock data's vocabulary (NullTokenizer): core 0.10-0.12's mock documents count up to 4096
     vocab: int = 4096
+    # what the padded vocabulary is a multiple of, whatever the run's TP size (runs compared across
+    # layouts load one checkpoint, whose embedding has one padded size); None: upstream's padding
+    vocab_multiple: int | None = None
 
 
 #: Loss parity's learning rate where the example's is lower: at the examples' 6e-5 … 1.5e-4 the

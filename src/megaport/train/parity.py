@@ -88,28 +88,29 @@ def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False, family: st
                initial_loss_scale=PARITY_LOSS_SCALE, dropout=0.0, family=family)
 
 
-def parity_problems(parity: dict, logged: int) -> list:
+def parity_problems(parity: dict, logged: int, yardstick: str = "unported upstream with its fusions off") -> list:
     """Why ``parity`` (from :func:`loss_parity`) fails, one sentence each; empty when it holds.
-    ``logged``: the fewer iterations either run logged a loss for."""
+    ``logged``: the fewer iterations either run logged a loss for; ``yardstick``: what the ported
+    run was compared with, in words."""
     problems = []
     if len(parity["iterations"]) < max(MIN_COMPARED, 0.9 * logged):
         problems.append(f"only {len(parity['iterations'])} iterations logged by both runs (fp16 skipped others: "
-                        f"ported only {parity['only_ported']}, upstream only {parity['only_upstream']})")
+                        f"ported only {parity['only_ported']}, {yardstick} only {parity['only_upstream']})")
     if parity["loss_drop"] < MIN_LOSS_DROP:
-        problems.append(f"unported upstream's loss fell by {parity['loss_drop']:.1%} over the compared iterations, "
+        problems.append(f"{yardstick}: the loss fell by {parity['loss_drop']:.1%} over the compared iterations, "
                         f"less than {MIN_LOSS_DROP:.0%}: parity where the model does not learn proves nothing: "
                         f"{parity['upstream']}")
     if parity["max_relative_difference"] > LOSS_TOLERANCE:
-        problems.append(f"per-iteration losses differ by up to {parity['max_relative_difference']:.2%} from unported "
-                        f"upstream with its fusions off:\n ported   {parity['ported']}\n upstream {parity['upstream']}")
+        problems.append(f"per-iteration losses differ by up to {parity['max_relative_difference']:.2%} from "
+                        f"{yardstick}:\n ported    {parity['ported']}\n yardstick {parity['upstream']}")
     if not parity["grad_norm_compared"]:
         if parity.get("grad_norm_logged", True):
             problems.append(f"only {len(parity['grad_norm_iterations'])} iterations have a grad norm in both runs; "
                             f"need {MIN_COMPARED}")
     elif parity["grad_norm_max_relative_difference"] > GRAD_NORM_TOLERANCE:
         problems.append(f"per-iteration grad norms differ by up to {parity['grad_norm_max_relative_difference']:.2%} "
-                        f"from unported upstream with its fusions off:\n ported   {parity['ported_grad_norms']}\n"
-                        f" upstream {parity['upstream_grad_norms']}")
+                        f"from {yardstick}:\n ported    {parity['ported_grad_norms']}\n"
+                        f" yardstick {parity['upstream_grad_norms']}")
     return problems
 
 

@@ -63,10 +63,15 @@ class Run:
     data: str | None = None
     # More flags, each group with why it was added: ((flags...), note), ...
     extra: tuple = ()
+    #: the family's flags left out of this run, each with why: ((flag, why), ...)
+    left_out: tuple = ()
     #: how the run is spread over ranks (:mod:`megaport.train.layouts`); "one-rank" by default
     layout: str = "one-rank"
     #: where the run writes its weights after its last iteration (None: nowhere)
     save: str | None = None
+    #: whether it writes them one file per rank (upstream's legacy ``torch`` format, which keeps
+    #: every rank's copy of a shared weight) rather than in the distributed format (one copy)
+    save_per_rank: bool = False
     #: a checkpoint the run starts from: its weights only, iteration, optimizer and RNG fresh
     #: (upstream's --finetune --no-load-optim --no-load-rng), resharded to the run's layout
     load: str | None = None
@@ -111,7 +116,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     else:
         tokens, source = family.flags(run.tree)
         notes = [f"flags of {source}, changed in size, iterations and data only"]
-        tokens = _family_flags(family, tokens, run.tree, notes)
+        tokens = _family_flags(family, tokens, run.tree, notes, dict(run.left_out))
         if family.deepspeed_config is not None:
             tokens = tokens + family.deepspeed_config(run.tree, workdir, run, notes)
     data, described, data_env = _data(run, family, tokens, workdir, notes)
@@ -137,11 +142,14 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
         flags += ["--lr", str(run.lr)]  # argparse: the last value given wins
         notes.append(f"learning rate {run.lr} (the example's {example.flag_value(flags[:-2], '--lr')}: loss parity "
                      "needs a window where the model measurably learns)")
-    flags += _layout_flags(run, layout, notes) + _checkpoint_flags(run, notes)
+    flags += _layout_flags(run, layout, notes) + _vocab_padding(run, layout, notes) + _checkpoint_flags(run, notes)
     flags += _mcore_query_groups(run, flags, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
+    for name, value, why in layout.environment:
+        data_env = {**data_env, name: value}
+        notes.append(f"{name}={value} in the environment ({why})")
     first, *others = torchrun.node_commands(layout.ranks, target, port=port)
     return Command(first, run.tree, described, notes, data_env, others)
 
@@ -157,6 +165,18 @@ def _layout_flags(run: Run, layout, notes: list) -> list:
     where = f"{ranks.per_node} ranks" if ranks.nodes == 1 else f"{ranks.nodes} nodes of {ranks.per_node} rank(s)"
     notes.append(f"layout {layout.name}: {layout.summary}, {where} ({' '.join(flags)})")
     return flags
+
+
+def _vocab_padding(run: Run, layout, notes: list) -> list:
+    """The padded vocabulary's multiple, whatever the run's TP size, where the run is compared
+    with runs in other layouts (``sizes.vocab_multiple``): upstream pads to its divisor times the
+    TP size, and one checkpoint's embedding must load in every layout."""
+    if not run.sizes.vocab_multiple:
+        return []
+    divisor = run.sizes.vocab_multiple // layout.tensor_parallel
+    notes.append(f"--make-vocab-size-divisible-by {divisor} (the vocabulary padded to a multiple of "
+                 f"{run.sizes.vocab_multiple} in every layout compared)")
+    return ["--make-vocab-size-divisible-by", str(divisor)]
 
 
 def legacy_models_by_default(tree: str) -> bool:
@@ -180,21 +200,11 @@ def _mcore_query_groups(run: Run, flags: list, notes: list) -> list:
 
 
 def _checkpoint_flags(run: Run, notes: list) -> list:
-    """Where the run saves its weights and what it starts from, in the era's checkpoint format:
-    upstream's distributed format where the parser has it (it reshards to any layout). Core 0.5 to
-    0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
-    without it: there every side of the comparison builds Megatron Core's model. A checkpoint
-    holds weights only (``--no-save-optim``, on the loading side too: core 0.5-0.6 read the optimizer
-    back unless it says so): every run that loads one starts its optimizer fresh."""
-    flags = []
-    if run.save or run.load:
-        if example.parser_has(run.tree, "--ckpt-format"):
-            flags += ["--ckpt-format", "torch_dist"]
-        elif example.parser_has(run.tree, "--use-dist-ckpt"):
-            flags += ["--use-dist-ckpt"]
-            if legacy_models_by_default(run.tree):
-                flags += ["--use-mcore-models"]
-                notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
+    """Where the run saves its weights and what it starts from, in the era's checkpoint format
+    (:func:`_format_flags`). A checkpoint holds weights only (``--no-save-optim``, on the loading
+    side too: core 0.5-0.6 read the optimizer back unless it says so): every run that loads one
+    starts its optimizer fresh."""
+    flags = _format_flags(run, notes) if (run.save or run.load) else []
     if (run.save or run.load) and example.parser_has(run.tree, "--no-save-optim"):
         # also where it loads: core 0.5-0.6 build the state dict they load from with this same flag
         flags += ["--no-save-optim"]
@@ -202,11 +212,33 @@ def _checkpoint_flags(run: Run, notes: list) -> list:
                      "fresh)")
     if run.save:
         flags += ["--save", run.save, "--save-interval", str(run.sizes.steps)]
-        notes.append(f"saves its weights after iteration {run.sizes.steps}")
+        notes.append(f"saves its weights after iteration {run.sizes.steps}"
+                     + (" one file per rank (--ckpt-format torch)" if run.save_per_rank else ""))
     if run.load:
         flags += ["--load", run.load, "--finetune", "--no-load-optim", "--no-load-rng"]
         notes.append("starts from a checkpoint's weights (--finetune --no-load-optim --no-load-rng): "
                      "iteration, optimizer and RNG fresh")
+    return flags
+
+
+def _format_flags(run: Run, notes: list) -> list:
+    """The era's checkpoint format: upstream's distributed one where the parser has it (it reshards
+    to any layout), or, for a run that saves one file per rank (and loads nothing: upstream main
+    builds the state dict it loads in the format it saves), the legacy ``torch`` format. Core 0.5
+    to 0.6 build legacy models unless told ``--use-mcore-models``, and refuse ``--use-dist-ckpt``
+    without it: there every side of the comparison builds Megatron Core's model."""
+    if run.save and run.save_per_rank:
+        if run.load:
+            raise ValueError("a run that saves one file per rank starts from its own initialisation")
+        return ["--ckpt-format", "torch"] if example.parser_has(run.tree, "--ckpt-format") else []
+    if example.parser_has(run.tree, "--ckpt-format"):
+        return ["--ckpt-format", "torch_dist"]
+    if not example.parser_has(run.tree, "--use-dist-ckpt"):
+        return []
+    flags = ["--use-dist-ckpt"]
+    if legacy_models_by_default(run.tree):
+        flags += ["--use-mcore-models"]
+        notes.append("--use-mcore-models (the era's --use-dist-ckpt supports Megatron Core's models only)")
     return flags
 
 
@@ -253,9 +285,10 @@ def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data
     return data, described, data_env
 
 
-def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
-    """A family's flags for a short run: its added flags, less those it drops (each said in the
-    notes) and, for families other than GPT, less those the era's parser lacks."""
+def _family_flags(family, tokens: list, tree: str, notes: list, left_out: dict) -> list:
+    """A family's flags for a short run: its added flags, less those it or the run (``left_out``)
+    drops (each said in the notes) and, for families other than GPT, less those the era's parser lacks."""
+    dropped = {**family.dropped, **left_out}
     for added, why in family.added:
         present = {t for t in tokens if t.startswith("--")}
         missing = [g for g in example.group_flags(list(added)) if g[0] not in present
@@ -265,8 +298,8 @@ def _family_flags(family, tokens: list, tree: str, notes: list) -> list:
             notes.append(f"{' '.join(f for f, _ in missing)} added ({why})")
     out = []
     for flag, values in example.group_flags(tokens):
-        if flag in family.dropped:
-            notes.append(f"{flag} left out ({family.dropped[flag]})")
+        if flag in dropped:
+            notes.append(f"{flag} left out ({dropped[flag]})")
         elif family.drop_unknown_flags and flag.startswith("--") and not example.parser_has(tree, flag):
             notes.append(f"{flag} left out (this era's parser has no such flag)")
         elif family.drop_unknown_flags and len(values) == 1 and _refused_choice(tree, flag, values[0]):
@@ -398,7 +431,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
                         help="cuda: a GPU (HIP on ROCm), under torchrun; cpu: with megaport's CPU substitutions")
     for name, value in dataclasses.asdict(GPU_SIZES).items():
-        parser.add_argument(f"--{name}", type=int, help=f"default {value} on a GPU, "
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {value} on a GPU, "
                             f"{getattr(example.Sizes(), name)} on the CPU")
     parser.add_argument("--engine", choices=deepspeed_example.ENGINES, default="deepspeed",
                         help="Megatron-DeepSpeed trees: DeepSpeed's engine (the example's --deepspeed) or "

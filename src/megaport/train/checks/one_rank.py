@@ -45,10 +45,13 @@ class Start:
 
     load: str | None = None
     extra: tuple = ()
+    #: the family's flags every side leaves out: ((flag, why), ...)
+    left_out: tuple = ()
 
     def of(self, run: pretrain.Run) -> pretrain.Run:
         """``run`` (either tree's, any layout) starting here."""
-        return dataclasses.replace(run, load=self.load, extra=run.extra + self.extra)
+        return dataclasses.replace(run, load=self.load, extra=run.extra + self.extra,
+                                   left_out=run.left_out + self.left_out)
 
     @property
     def described(self) -> str:
@@ -57,7 +60,8 @@ class Start:
 
 def base_run(context: Context, family: str, layout, mode: str = "ported") -> pretrain.Run:
     run = parity.parity_run(context.tree, mode, gpu=context.gpu, family=family)
-    return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=STEPS))
+    return dataclasses.replace(run, sizes=dataclasses.replace(layout.sizes(run.sizes), steps=STEPS,
+                                                              vocab_multiple=layouts.VOCAB_MULTIPLE))
 
 
 def _once(key, make):
@@ -80,16 +84,23 @@ def _key(context: Context, run: pretrain.Run) -> tuple:
 _GROUPED_MLP_UNSAVED = "distributed checkpointing is not supported for GroupedMLP"
 
 
-def _unsaved(tree: str, family: str) -> str | None:
-    """Why one rank of ``family`` cannot write a checkpoint every layout loads on ``tree``; None where it can."""
-    if not reshards(tree):
-        return "this era's checkpoints do not reshard"
+def _unsaved(tree: str) -> str | None:
+    """Why one rank cannot write a checkpoint every layout loads on ``tree``; None where it can."""
+    return None if reshards(tree) else "this era's checkpoints do not reshard"
+
+
+def _unsaved_experts(tree: str, family: str) -> tuple:
+    """What every side leaves out so that one rank of ``family`` writes a distributed checkpoint:
+    core 0.5 … 0.7's grouped-GEMM experts (GroupedMLP) write none, so the comparison builds the
+    sequential experts (the same experts, one GEMM each): ((flag, why),) or ()."""
     from megaport.train.families import registry
 
     if "--moe-grouped-gemm" in registry.get(family).flags(tree)[0] and tree_files.tree_says(
             tree, "megatron/core/transformer/moe/experts.py", _GROUPED_MLP_UNSAVED):
-        return "this era's grouped-GEMM experts (GroupedMLP) write no distributed checkpoint"
-    return None
+        return (("--moe-grouped-gemm", "this era's grouped-GEMM experts (GroupedMLP) write no distributed "
+                                       "checkpoint: every side of the layout comparison builds the sequential "
+                                       "experts"),)
+    return ()
 
 
 def shared_start(context: Context, run: pretrain.Run) -> Start:
@@ -97,19 +108,17 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
     checkpoint (written here) where the era can write one every layout loads, else
     ``--use-cpu-initialization``'s weights."""
     def make() -> Start:
-        unsaved = _unsaved(context.tree, run.family)
+        unsaved = _unsaved(context.tree)
         if unsaved:
             why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn "
                    "once, then split")
-            extra = ((("--use-cpu-initialization",), why),)
-            if reshards(context.tree) and pretrain.legacy_models_by_default(context.tree):
-                extra += ((("--use-mcore-models",), "the family's experts are Megatron Core's, which this era builds "
-                           "only when told"),)
-            return Start(extra=extra)
+            return Start(extra=((("--use-cpu-initialization",), why),))
         folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_SHARED)}")
-        pretrain.run_pretrain(dataclasses.replace(run, sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS),
-                                                  save=folder), context.env)
-        return Start(load=folder)
+        start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
+        pretrain.run_pretrain(dataclasses.replace(start.of(run), load=None,
+                                                  sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS), save=folder),
+                              context.env)
+        return start
     return _once(_key(context, run), make)
 
 
@@ -142,13 +151,45 @@ def not_for(layout, tree: str) -> str | None:
     return None
 
 
+#: gradients upstream itself scales in a layout, in some eras, where one rank does not: (the era's
+#: file, text it holds while it does, the layout flag whose size multiplies the grad norm, why).
+#: Upstream's loss with context parallelism is multiplied by the CP size, and its DDP divided by the
+#: data-parallel size without CP until 3bdcbbbe5d (2024-09-05, "Fix DDP scaling factor with Context
+#: Parallel"): every CP run of those eras, TE's included, has CP times one rank's gradients
+ERA_GRAD_SCALES = (
+    ("megatron/core/distributed/distributed_data_parallel.py",
+     "data_parallel_world_size = parallel_state.get_data_parallel_world_size()\n", "--context-parallel-size",
+     "upstream's DDP divides by the data-parallel size without CP while its loss is multiplied by the CP size "
+     "(fixed in 3bdcbbbe5d, 2024-09-05): the layout's grad norms are compared divided by"),
+)
+
+
+def era_grad_scale(tree: str, layout) -> tuple:
+    """How much the era's own code multiplies the layout's grad norm over one rank's, and why: (factor, why or None)."""
+    from megaport.train import example
+
+    factor, reasons = 1, []
+    for path, text, flag, why in ERA_GRAD_SCALES:
+        size = example.flag_value(list(layout.flags), flag)
+        if size and int(size) > 1 and tree_files.tree_says(tree, path, text):
+            factor *= int(size)
+            reasons.append(f"{why} {size}")
+    return factor, "; ".join(reasons) or None
+
+
 def compare(context: Context, family: str, layout) -> dict:
     """The layout's run against the one-rank run, both from the shared start."""
     run, mine = layout_run(context, family, layout)
     _, one = layout_run(context, family, layouts.ONE_RANK, sized_for=layout)
-    compared = parity.loss_parity(mine, one)
+    factor, why = era_grad_scale(context.tree, layout)
+    scaled = {**mine, "grad_norms": [None if g is None else g / factor
+                                                for g in mine.get("grad_norms") or []]} if why else mine
+    compared = parity.loss_parity(scaled, one)
     compared.update(against=f"one rank from the same {shared_start(context, run).described}", run=_kept(mine))
-    compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(one["losses"])))
+    if why:
+        compared["grad_norm_scale"] = {"factor": factor, "why": why}
+    compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(one["losses"])),
+                                                  yardstick="one rank")
     return compared
 
 

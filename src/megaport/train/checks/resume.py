@@ -20,7 +20,7 @@ import os
 
 from megaport.train import parity, pretrain, tree_files
 from megaport.train.checks import one_rank
-from megaport.train.checks.spec import Check, Context
+from megaport.train.checks.spec import Check, Context, loss_figures
 from megaport.train.layouts import registry as layouts
 
 #: the iteration the first run saves at and exits, half the compared window
@@ -97,10 +97,14 @@ def compare(context: Context, family: str, layout) -> dict:
     """The resume on one rank and in ``layout``, each against its uninterrupted run."""
     on_one_rank, mine = _one(context, family, layouts.ONE_RANK), _one(context, family, layout)
     mine["one_rank"] = {k: v for k, v in on_one_rank.items() if k != "run"}
-    mine["against"] += (f"; one rank's resume: loss {on_one_rank['max_relative_difference']:.1e}, grad norm "
-                        f"{on_one_rank['grad_norm_max_relative_difference']:.1e}")
+    mine["against"] = f"the uninterrupted {one_rank.STEPS}-iteration run, in the layout and on one rank"
     mine["problems"] = [f"one rank: {p}" for p in on_one_rank["problems"]] + mine["problems"]
     return mine
+
+
+def figures(compared: dict) -> str:
+    """The layout's figures, then one rank's."""
+    return f"{loss_figures(compared)}; one rank {loss_figures(compared['one_rank'])}"
 
 
 def not_for(layout, tree: str) -> str | None:
@@ -113,4 +117,5 @@ def not_for(layout, tree: str) -> str | None:
 
 
 CHECK = Check(name="resume", summary=f"saved at iteration {SAVED_AT} and resumed = the uninterrupted run "
-              "(one rank and the layout; loss 1 %, grad norm 5 %)", compare=compare, not_for=not_for)
+              "(one rank and the layout; loss 1 %, grad norm 5 %)", compare=compare, not_for=not_for,
+              figures=figures)

@@ -31,3 +31,16 @@ class Check:
     compare: Callable
     #: why the check does not apply to a layout on a tree, or None where it does: (layout, tree) -> str | None
     not_for: Callable = lambda layout, tree: None
+    #: the comparison's figures in a few words, for the report: compared -> str
+    figures: Callable = lambda compared: loss_figures(compared)
+
+
+def loss_figures(compared: dict) -> str:
+    """Two runs' largest loss (and grad norm) difference, over how many iterations, and how much
+    the loss fell."""
+    norms = (f", grad norm {compared['grad_norm_max_relative_difference']:.1e}"
+             if compared.get("grad_norm_compared") else "")
+    scale = compared.get("grad_norm_scale")
+    norms += f" (the layout's divided by {scale['factor']}: the era's own scaling)" if scale else ""
+    return (f"loss {compared['max_relative_difference']:.1e}{norms} over {len(compared['iterations'])}, "
+            f"loss -{compared['loss_drop']:.0%}")

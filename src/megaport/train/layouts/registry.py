@@ -23,7 +23,10 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("pp2", "2 pipeline stages", Ranks(2), ("--pipeline-model-parallel-size", "2"), families=("llama",)),
     Layout("pp2-vpp", "2 pipeline stages, 2 interleaved virtual stages each", Ranks(2),
            ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-           micro_batch=1, layers=4, families=("llama",)),
+           micro_batch=1, layers=4, families=("llama",),
+           refused_where=(("size should be greater than 2 with '",
+                           "the era's interleaved schedule needs more than 2 pipeline stages (upstream allowed 2 on "
+                           "2024-05-31, 3ee489d9ea)"),)),
     Layout("dp2-distopt", "2 data-parallel ranks, distributed optimizer, overlapped grad reduce and param gather",
            Ranks(2), ("--use-distributed-optimizer",),
            optional=(("--overlap-grad-reduce",), ("--overlap-param-gather",)), micro_batch=1, families=("llama",)),
@@ -35,6 +38,17 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("tp2-recompute", "tensor parallel over 2 ranks, full activation recomputation", Ranks(2),
            TP2 + ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
            families=("gpt",)),
+    Layout("tp2-selective", "tensor parallel over 2 ranks, selective recomputation (core attention recomputed "
+           "in backward)", Ranks(2), TP2 + ("--recompute-granularity", "selective"), families=("llama",)),
+    # PyTorch's FSDP2 (AMD's guide trains Llama 3 70B with it): parameters, gradients and optimizer
+    # state sharded over the data-parallel ranks; upstream refuses it beside gradient-accumulation
+    # fusion, which the port otherwise serves
+    Layout("dp2-fsdp2", "2 data-parallel ranks, PyTorch FSDP2 sharding parameters, gradients and optimizer state",
+           Ranks(2), ("--use-torch-fsdp2", "--no-gradient-accumulation-fusion"), micro_batch=1, families=("llama",),
+           environment=(("CUDA_DEVICE_MAX_CONNECTIONS", "8", "upstream refuses FSDP where it is 1, which TP runs "
+                                                          "want; 8 is CUDA's default"),),
+           gpu_only="PyTorch's FSDP2 builds its device mesh and streams on the GPU itself, which megaport's CPU "
+                    "placement does not serve"),
     Layout("cp2", "context parallel over 2 ranks (load-balanced causal split)", Ranks(2),
            ("--context-parallel-size", "2"), families=("llama",), served=_CP_SERVED, upstream_runs=False),
     Layout("ep2", "experts split over 2 ranks (2 data-parallel ranks for the dense layers)", Ranks(2),
@@ -51,6 +65,13 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("two-nodes", "tensor + sequence parallel across 2 nodes (one launcher each, rendezvous on 127.0.0.1)",
            Ranks(1, nodes=2), TP2 + SP, families=("llama",), served=_SP_SERVED, upstream_runs=False),
 )}
+
+
+#: upstream pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) times the TP
+#: size; runs compared across layouts pad to this multiple whatever their TP size, so one checkpoint's
+#: embedding loads in every layout (core 0.6-0.7 refuse the 384 rows one rank pads 257 tokens to
+#: where TP2 has 512)
+VOCAB_MULTIPLE = 128 * max(layout.tensor_parallel for layout in LAYOUTS.values())
 
 
 def get(name: str) -> Layout:

@@ -45,13 +45,35 @@ class Layout:
     #: layout); where it refuses (its torch norm under SP, its attention under CP), the comparison
     #: with one rank is the layout's yardstick
     upstream_runs: bool = True
+    #: what the era's argument checks say where they refuse the layout: ((text in the parser's
+    #: module, why in words), ...)
+    refused_where: tuple = ()
+    #: environment variables the layout's runs need, each with why: ((name, value, why), ...)
+    environment: tuple = ()
+    #: why the layout cannot train on the CPU (megaport's CPU placement serves upstream's CUDA calls,
+    #: not everything of torch's that a layout builds on); "": it can
+    gpu_only: str = ""
+
+    @property
+    def tensor_parallel(self) -> int:
+        """How many ranks split each layer's weights (``--tensor-model-parallel-size``, else 1)."""
+        value = example.flag_value(list(self.flags), "--tensor-model-parallel-size")
+        return int(value) if value else 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether its tensor-parallel ranks each run the norms on their own part of the sequence,
+        so the weights they share get partial gradients until the ranks all-reduce them."""
+        return "--sequence-parallel" in self.flags
 
     def present(self, tree: str, family_flags: list) -> str | None:
         """Why the layout cannot run on ``tree`` with a family of ``family_flags``; None where it can."""
         if self.experts and "--num-experts" not in family_flags:
             return "the model has no experts to split"
         missing = [f for f in self.flags if f.startswith("--") and not example.parser_has(tree, f)]
-        return f"the era's parser has no {', '.join(missing)}" if missing else None
+        if missing:
+            return f"the era's parser has no {', '.join(missing)}"
+        return next((why for text, why in self.refused_where if text in example.parser_text(tree)), None)
 
     def flags_for(self, tree: str) -> list:
         """The layout's flags, and those of :attr:`optional` the era's parser has."""

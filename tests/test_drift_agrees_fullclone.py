@@ -1,0 +1,76 @@
+"""Against a full upstream clone (MEGAPORT_UPSTREAM_CLONE; skipped otherwise): on upstream's other
+lines, where drift used to say "applies" while apply refused (issue 40), drift exits at most 1
+exactly where `megaport apply` ports, and with apply's own one-line reason where it refuses.
+
+The refs: `dev` and two of its first-parent commits, two dated alpha branches, release branch
+heads, and main with two of its first-parent commits. Those the clone lacks are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from support.porting import assert_clean, port
+
+from megaport.cli import main
+
+pytestmark = pytest.mark.fullclone
+
+REFS = (
+    "dev", "dev~40", "dev~300", "26.04-alpha", "25.09-alpha", "core_r0.19.0", "core_r0.18.0", "core_r0.16.0",
+    "main", "main~25", "main~400",
+)
+
+
+def present(clone: Path) -> list[str]:
+    """The refs of REFS that the clone has, as shas (neither command takes ``dev~40``)."""
+    found = (subprocess.run(["git", "-C", str(clone), "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
+                            capture_output=True, text=True) for ref in REFS)
+    return [run.stdout.strip() for run in found if run.returncode == 0]
+
+
+def test_drift_and_apply_agree_on_upstreams_other_lines(full_clone, tmp_path):
+    refs = present(full_clone)
+    assert len(refs) >= 6
+    args = ["drift", "--repo", str(full_clone), "--format", "json"] + [a for r in refs for a in ("--ref", r)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (1, 2), result.output
+    drifted = {entry["ref"]: entry for entry in json.loads(result.stdout)["refs"]}
+    disagreements = []
+    for ref in refs:
+        code, report, output = port(full_clone, ref, tmp_path / ref[:12], "--dry-run")
+        entry = drifted[ref]
+        drift_ports = entry["refusal"] is None and entry["status"] not in ("conflict", "missing")
+        if (code == 0) != drift_ports:
+            disagreements.append(f"{ref}: apply exit {code}, drift {entry['status']} ({entry['refusal']})")
+        elif code == 0 and report["series"] != entry["series"]:
+            disagreements.append(f"{ref}: apply chose {report['series']}, drift {entry['series']}")
+        elif code != 0 and report.get("error") != entry["refusal"]:
+            disagreements.append(f"{ref}: apply says {report.get('error')!r}, drift {entry['refusal']!r}")
+        elif code != 0:
+            check_fuzz_hint(full_clone, ref, report["error"], tmp_path)
+    assert not disagreements, "\n".join(disagreements)
+
+
+def check_fuzz_hint(clone: Path, ref: str, error: str, tmp_path: Path) -> None:
+    """A refusal that names --fuzz N is right: apply --fuzz N ports the tree with that series."""
+    hint = re.search(r"--fuzz (\d) would port it with (\S+),", error)
+    if hint is None:
+        assert port(clone, ref, tmp_path / "fuzz3", "--dry-run", "--fuzz", "3")[0] != 0, (ref, error)
+        return
+    code, report, output = port(clone, ref, tmp_path / "fuzzN", "--dry-run", "--fuzz", hint.group(1))
+    assert code == 0 and report["series"] == hint.group(2), output
+
+
+@pytest.mark.parametrize("ref", ["26.04-alpha", "core_r0.19.0", "main"])
+def test_other_lines_port_with_no_fuzz(full_clone, tmp_path, ref):
+    """26.04-alpha sorted common_config.py's imports; the RCCL patch's import is anchored at
+    DistributedInitConfig, not in that list, so it ports as release heads and main do."""
+    code, report, output = port(full_clone, ref, tmp_path / "ported", "--dry-run")
+    assert code == 0, output
+    assert_clean(report)
