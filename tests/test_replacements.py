@@ -503,8 +503,10 @@ def fake_packages(tmp_path, monkeypatch):
 def test_blocked_imports(rp, fake_packages, name):
     with pytest.raises(ModuleNotFoundError) as info:
         importlib.import_module(name)
-    assert "disabled by the ROCm port" in str(info.value)
-    assert "(megatron/core/rocm_port)" in str(info.value)
+    top = name.partition(".")[0]
+    if sys.modules.get(top, False) is not None:  # no absent mark (fake_packages took it): the finder refuses
+        assert "disabled by the ROCm port" in str(info.value)
+        assert "(megatron/core/rocm_port)" in str(info.value)
     # A submodule's import stops at its (blocked) parent package.
     assert info.value.name == name.partition(".")[0]
 
@@ -556,6 +558,46 @@ def test_blocker_install_is_idempotent(rp):
     rp.install_import_blocker()
     rp.install_import_blocker()
     assert count() == 1
+
+
+@pytest.mark.parametrize("name", ["apex", "amp_C", "scaled_masked_softmax_cuda"])
+def test_a_probe_hears_not_installed_even_where_installed(rp, fake_packages, name):
+    rp.install_import_blocker()  # fake_packages took the absent marks out with the modules
+    assert importlib.util.find_spec(name) is None  # transformers' probe: "not installed", no exception
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.util.find_spec(f"{name}.normalization")
+    assert importlib.util.find_spec("not_blocked_cuda_helper") is not None
+
+
+def test_uninstalling_takes_the_absent_marks_back(rp, fake_packages):
+    rp.install_import_blocker()
+    rp.uninstall_import_blocker()
+    try:
+        assert "apex" not in sys.modules and importlib.util.find_spec("apex") is not None
+    finally:
+        rp.install_import_blocker()
+    assert sys.modules["apex"] is None
+
+
+_TRANSFORMERS_ORDERS = {"port first": "import {port}; import transformers",
+                        "transformers first": "import transformers; import {port}"}
+
+
+@pytest.mark.parametrize("order", sorted(_TRANSFORMERS_ORDERS))
+def test_transformers_imports_beside_the_port(order, tmp_path):
+    """transformers probes apex at import (4.x eagerly, 5.x on first use); in a ported process
+    it must hear "not installed" in either order, and its own check must say so."""
+    pytest.importorskip("transformers")
+    import subprocess
+
+    (tmp_path / "rocm_port").symlink_to(SOURCE, target_is_directory=True)
+    code = (_TRANSFORMERS_ORDERS[order].format(port="rocm_port") +
+            "; from transformers.utils import is_apex_available; assert not is_apex_available()"
+            "; import importlib.util; assert importlib.util.find_spec('apex') is None")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_blocked_modules_loaded(rp, monkeypatch):

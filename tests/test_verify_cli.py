@@ -219,7 +219,7 @@ def test_the_report_gives_each_section_in_order():
 
 @pytest.mark.parametrize("option, value, message", [
     ("--layouts", "tp2,tp3", "unknown layout 'tp3'; known: tp2, tp2-sp"),
-    ("--checks", "one-rank,speed", "unknown check 'speed'; known: one-rank, upstream"),
+    ("--checks", "one-rank,speed", "unknown check 'speed'; known: one-rank, upstream, tp-replicas, resume"),
 ])
 def test_an_unknown_layout_or_check_is_a_one_line_usage_error(tmp_path, option, value, message):
     result = invoke(str(fake_tree(tmp_path)), "--device", "cpu", option, value)

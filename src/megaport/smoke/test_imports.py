@@ -9,6 +9,7 @@ guard also checks sys.modules.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -153,18 +154,22 @@ def test_touched_module_imports_without_apex(touched_module, smoke, torch_module
 
 @pytest.mark.parametrize("blocked", ["apex", "amp_C", "scaled_masked_softmax_cuda", "fused_weight_gradient_mlp_cuda"])
 def test_import_blocker_refuses(blocked, rocm_port):
-    """The tree's blocker answers first: a clean ImportError, never the installed module."""
+    """The tree's blocker answers first: a clean ImportError, never the installed module; and a
+    probe (transformers asks ``find_spec("apex")`` at import) hears "not installed", never an exception."""
+    assert importlib.util.find_spec(blocked) is None, f"find_spec({blocked!r}) found it: the port's blocker does not hide it"
     try:
         importlib.import_module(blocked)
     except ImportError as exc:
-        assert "rocm_port" in str(exc) or "ROCm port" in str(exc), f"'import {blocked}' failed, but not by the port's blocker: {exc}"
+        absent = blocked in sys.modules and sys.modules[blocked] is None  # the port's absent mark
+        assert absent or "rocm_port" in str(exc) or "ROCm port" in str(exc), (
+            f"'import {blocked}' failed, but not by the port's blocker: {exc}")
     except RuntimeError as exc:
         assert _guard.STAND_IN_MARK not in str(exc), (
             f"'import {blocked}' reached the installed module: the port's import blocker is not active")
         raise
     else:
         pytest.fail(f"'import {blocked}' succeeded: the port's import blocker is not active", pytrace=False)
-    assert blocked not in sys.modules
+    assert sys.modules.get(blocked) is None
 
 
 def test_apex_stays_out_of_a_full_megatron_core_import(smoke, rocm_port):

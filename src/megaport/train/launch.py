@@ -9,7 +9,8 @@ whose tokenizer comes from the Hugging Face hub gets its vocabulary in one order
 (:mod:`megaport.train.vocab_order`).
 When the script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on
 a GPU (upstream's own memory report comes after the first iteration, before fp16's skipped steps
-end and the optimizer's state exists), the process's peak RSS on the CPU.
+end and the optimizer's state exists), the process's peak RSS on the CPU. A run given ``--load`` that was asked to train and took no
+optimizer step exits 1 with one line (:mod:`megaport.train.resume_guard`), never 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import resource
 import runpy
 import sys
 
-from megaport.train import failure, vocab_order
+from megaport.train import failure, resume_guard, vocab_order
 
 PEAK = "> megaport: peak memory"
 OPTIONS = "> megaport: parser options"
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
         vocab_order.install()
     if listing:
         _report_options()
+    steps = resume_guard.count_steps()
     script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     except BaseException as exc:
         failure.record(exc)  # what the rank died of, for the baseline's choice of shims
         raise
+    if code == 0 and not listing and (error := resume_guard.trained_nothing(argv[1:], steps)):
+        print(error, file=sys.stderr, flush=True)
+        code = 1
     if code == 0 and not listing:
         print(_peak(torch, cpu), flush=True)
     _release_process_group(torch)

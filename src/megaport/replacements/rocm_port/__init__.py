@@ -22,7 +22,7 @@ is imported while ``megatron.core`` is still initialising.
 One module per concern: ``era`` (the era constants), ``say`` (its one-line messages),
 ``blocker``, ``target_stack`` (today's torch, NumPy and DeepSpeed), ``te_absent``
 (TransformerEngine's layers and specs), ``te_features`` (norms, MoE, MLA, FP8),
-``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``apex_substitutes``, ``distributed`` and ``hooks``
+``optimizer_state`` (torch's Adam step for the distributed optimizer), ``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``apex_substitutes``, ``distributed`` and ``hooks``
 (what importing the port installs).  Upstream imports every name from the package
 itself, which re-exports them; the modules import each other relatively, so the
 package works at either place a series puts it.

@@ -8,6 +8,8 @@ import types
 
 import torch
 
+from .say import say_once
+
 
 def _shape_tuple(normalized_shape) -> tuple:
     if isinstance(normalized_shape, int):
@@ -242,7 +244,7 @@ def _apex_optimizer(base):
 
         def __init__(self, params, *args, **kwargs):
             adam_w_mode = kwargs.get("adam_w_mode", True)
-            if base is torch.optim.AdamW and not adam_w_mode:
+            if issubclass(base, torch.optim.AdamW) and not adam_w_mode:
                 raise ValueError("adam_w_mode=False (L2 Adam) is not supported by the ROCm port; use AdamW")
             for key in self._APEX_ONLY:
                 kwargs.pop(key, None)
@@ -257,6 +259,42 @@ def _apex_optimizer(base):
     return ApexCompatible
 
 
+_STEP_FROM_GROUP = ("the distributed optimizer loaded FusedAdam's state without its step (apex keeps it in the param "
+                    "groups): the port's FusedAdam (torch's AdamW) takes each group's saved step")
+
+
+def _steps_in_param_groups(base):
+    """``base`` (torch's AdamW) keeping its step where apex's FusedAdam keeps it, in each param
+    group, besides torch's per-parameter state.
+
+    Upstream's distributed optimizer of 2023-05-24 … 2024-07-30 saves apex's param groups and, on
+    a resume, rebuilds each parameter's state as ``exp_avg``/``exp_avg_sq`` alone (apex keeps no
+    step there): torch's AdamW then fails ``KeyError: 'step'``. A parameter whose state lost its
+    step takes its group's, so the resumed run steps on from the saved iteration."""
+
+    class StepInGroups(base):
+        def __setstate__(self, state):
+            for group in state["param_groups"]:  # a loaded state rebuilt without its step: the group's
+                on_device = group.get("fused") or group.get("capturable")
+                for p in group["params"]:
+                    if state["state"].get(p) and "step" not in state["state"][p]:
+                        say_once(_STEP_FROM_GROUP)
+                        state["state"][p]["step"] = torch.tensor(float(group.get("step", 0)), dtype=torch.float32,
+                                                                 device=p.device if on_device else None)
+            super().__setstate__(state)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for group in self.param_groups:  # counted on the host, as apex does: no device sync
+                if any(p.grad is not None for p in group["params"]):
+                    group["step"] = group.get("step", 0) + 1
+            return loss
+
+    StepInGroups.__name__ = StepInGroups.__qualname__ = base.__name__
+    return StepInGroups
+
+
 # apex.optimizers.FusedAdam defaults to decoupled weight decay (adam_w_mode=True): torch's AdamW.
-FusedAdam = _apex_optimizer(torch.optim.AdamW)
+FusedAdam = _apex_optimizer(_steps_in_param_groups(torch.optim.AdamW))
 FusedSGD = _apex_optimizer(torch.optim.SGD)

@@ -1,0 +1,121 @@
+"""A resumed run equals the uninterrupted one: what a preempted job needs of its checkpoints.
+
+Upstream's functional tests save at N/2 and resume; here one run of the layout trains to
+iteration 15, saves (weights, optimizer, RNG, data position: upstream's own ``--save``, in the
+era's default format) and exits (``--exit-interval``); a second run resumes from it (``--load``)
+to 30; both against the uninterrupted 30-iteration run in the same layout, same seed, data and
+flags: the same iteration numbers, and per iteration the loss and grad norm within the one-rank
+check's tolerances (:func:`megaport.train.parity.parity_problems`). A resumed run that logs no
+iteration after the checkpoint is an error (its launcher exits 1: :mod:`megaport.train.resume_guard`).
+
+It holds on one rank (once per family and sizes, shared by every layout checked) and in each
+layout whose ranks each hold a shard of the optimizer's state (the distributed optimizer), which a
+resume must put back rank by rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megaport.train import parity, pretrain, tree_files
+from megaport.train.checks import one_rank
+from megaport.train.checks.spec import Check, Context, loss_figures
+from megaport.train.layouts import registry as layouts
+
+#: the iteration the first run saves at and exits, half the compared window
+SAVED_AT = one_rank.STEPS // 2
+#: flags of a layout whose ranks each hold a shard of the optimizer's state
+SHARDED_OPTIMIZER = "--use-distributed-optimizer"
+#: upstream logs a run's first iteration without resetting its running loss, so the run's second
+#: logged loss is the mean of its first two (main's training_log); a resumed run's too
+_FIRST_LOG_KEPT = ("megatron/training/training.py", "should_reset = not is_first_iteration")
+
+
+def _checkpoint_run(run: pretrain.Run, folder: str, resumed: bool) -> pretrain.Run:
+    """``run`` saving at :data:`SAVED_AT` and exiting, or (``resumed``) loading that checkpoint."""
+    if resumed:
+        added = (("--load", folder), f"resumes from iteration {SAVED_AT}'s checkpoint (optimizer, RNG, data position)")
+    else:
+        added = (("--save", folder, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)),
+                 f"saves at iteration {SAVED_AT} (optimizer and RNG included) and exits")
+    return dataclasses.replace(run, extra=run.extra + (added,))
+
+
+def _resumed_runs(context: Context, family: str, layout) -> dict:
+    """The uninterrupted run of ``layout``, the run that saves halfway and the one that resumes: made once a session."""
+    base = dataclasses.replace(one_rank.base_run(context, family, layout), layout=layout.name)
+
+    def make() -> dict:
+        folder = os.path.join(context.workdir, f"resume-{family}-{layout.name}-{len(one_rank._SHARED)}")
+        runs = {"uninterrupted": pretrain.run_pretrain(base, context.env),
+                "saved": pretrain.run_pretrain(_checkpoint_run(base, folder, False), context.env)}
+        try:
+            runs["resumed"] = pretrain.run_pretrain(_checkpoint_run(base, folder, True), context.env)
+        except RuntimeError as exc:  # a resume that trains nothing is an error, kept with its log's end
+            runs["resumed"] = {"iterations": [], "losses": [], "grad_norms": [], "error": str(exc)}
+        return runs
+    return one_rank._once(one_rank._key(context, base) + ("resume", layout.name), make)
+
+
+def _expected(tree: str, uninterrupted: dict) -> dict:
+    """What the resumed run should log: the uninterrupted run's figures, its loss at the second
+    resumed iteration the mean of that and the one before where upstream logs it so."""
+    expected = {k: list(uninterrupted[k]) for k in ("iterations", "losses", "grad_norms")}
+    if tree_files.tree_says(tree, *_FIRST_LOG_KEPT) and SAVED_AT + 2 in expected["iterations"]:
+        at = expected["iterations"].index(SAVED_AT + 2)
+        expected["losses"][at] = (expected["losses"][at - 1] + expected["losses"][at]) / 2
+    return expected
+
+
+def resume_problems(runs: dict, compared: dict) -> list:
+    """Why the saved and resumed runs do not make the uninterrupted one, one sentence each."""
+    saved, resumed, whole = runs["saved"], runs["resumed"], runs["uninterrupted"]["iterations"]
+    if not [i for i in resumed["iterations"] if i > SAVED_AT]:
+        why = resumed.get("error", "").strip().splitlines()
+        return [f"the resumed run trained nothing after iteration {SAVED_AT}" + (f": {why[0]}" if why else "")]
+    problems = []
+    if saved["iterations"] + resumed["iterations"] != whole:
+        problems.append(f"iterations {saved['iterations']} then {resumed['iterations']} after the resume, "
+                        f"not the uninterrupted run's {whole}")
+    return problems + parity.parity_problems(compared, len(whole))
+
+
+def _one(context: Context, family: str, layout) -> dict:
+    """``layout``'s resume against its uninterrupted run."""
+    runs = _resumed_runs(context, family, layout)
+    joined = {k: runs["saved"][k] + runs["resumed"][k] for k in ("iterations", "losses", "grad_norms")}
+    compared = parity.loss_parity(joined, _expected(context.tree, runs["uninterrupted"]))
+    compared.update(against=f"the uninterrupted {one_rank.STEPS}-iteration run, same layout",
+                    saved_at=SAVED_AT, resumed_iterations=runs["resumed"]["iterations"],
+                    run={k: runs["resumed"][k] for k in ("command", "notes", "port_log") if k in runs["resumed"]})
+    compared["problems"] = resume_problems(runs, compared)
+    return compared
+
+
+def compare(context: Context, family: str, layout) -> dict:
+    """The resume on one rank and in ``layout``, each against its uninterrupted run."""
+    on_one_rank, mine = _one(context, family, layouts.ONE_RANK), _one(context, family, layout)
+    mine["one_rank"] = {k: v for k, v in on_one_rank.items() if k != "run"}
+    mine["against"] = f"the uninterrupted {one_rank.STEPS}-iteration run, in the layout and on one rank"
+    mine["problems"] = [f"one rank: {p}" for p in on_one_rank["problems"]] + mine["problems"]
+    return mine
+
+
+def figures(compared: dict) -> str:
+    """The layout's figures, then one rank's."""
+    return f"{loss_figures(compared)}; one rank {loss_figures(compared['one_rank'])}"
+
+
+def not_for(layout, tree: str) -> str | None:
+    """Why the resume is not checked in ``layout``: it does not shard the optimizer's state with
+    upstream's distributed optimizer (one rank's resume, checked beside each layout that does,
+    stands for the others; DeepSpeed's ZeRO checkpoints are not checked yet)."""
+    if SHARDED_OPTIMIZER in layout.flags:
+        return None
+    return f"resumes are checked where {SHARDED_OPTIMIZER} shards the optimizer's state, and on one rank beside it"
+
+
+CHECK = Check(name="resume", summary=f"saved at iteration {SAVED_AT} and resumed = the uninterrupted run "
+              "(one rank and the layout; loss 1 %, grad norm 5 %)", compare=compare, not_for=not_for,
+              figures=figures)

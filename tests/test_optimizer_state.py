@@ -1,0 +1,225 @@
+"""What the port serves upstream's distributed optimizer of torch's Adam (rocm_port's
+``optimizer_state``): its ``step`` before the first step, and after a resume each parameter's own
+step, the checkpoint's. The class below keeps upstream main's lines for an optimizer without apex
+or TE (``HAVE_APEX_OR_TE`` False), reduced to the step; the whole run is in
+``megaport verify --checks resume`` (dp2-distopt)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from support.port import load as _load  # noqa: E402
+
+MODULE = "megatron.core.optimizer.distrib_optimizer"
+
+
+class _UpstreamDistributedOptimizer:
+    """upstream main's DistributedOptimizer (d98e8a64dd), its no-apex/TE lines for the step."""
+
+    def __init__(self, params):
+        self.optimizer = torch.optim.Adam(params, lr=0.1)
+        self.template = {}
+
+    def state_dict(self):
+        inner_state_dict = self.optimizer.state_dict()
+        steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))
+        assert len(steps) == 1
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner_state_dict["param_groups"]]
+        for group in groups:
+            group["step"] = steps[0]
+        return {"optimizer": {"param_groups": groups}}
+
+    def sharded_state_dict_for_loading(self):
+        """``sharded_state_dict(is_loading=True)``: the template, its param state's step kept local."""
+        state_dict = self.state_dict()
+        self.load_state_dict(self.state_dict())
+        self.template = {p: dict(s) for p, s in self.optimizer.state.items()}
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        steps = list(set([g["step"] for g in state_dict["optimizer"]["param_groups"]]))
+        assert len(steps) == 1
+        step = torch.tensor(steps[0], dtype=torch.float)
+        state = {i: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": step}
+                 for i, p in enumerate(self.optimizer.param_groups[0]["params"])}
+        self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
+        for p, loaded in self.template.items():  # load_parameter_state_from_dp_reshardable
+            for key, value in self.optimizer.state[p].items():
+                value.copy_(loaded[key])
+
+
+def _module(have_apex_or_te: bool = False):
+    module = types.ModuleType(MODULE)
+    module.HAVE_APEX_OR_TE = have_apex_or_te
+    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamDistributedOptimizer,), {})
+    return module
+
+
+@pytest.fixture()
+def rp():
+    module = _load(None)
+    yield module
+    module.uninstall_import_blocker()
+
+
+def _served(rp, have_apex_or_te: bool = False):
+    module = _module(have_apex_or_te)
+    for step in rp.after_import_steps(MODULE):
+        step(module)
+    return module
+
+
+def _params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+
+
+def _train(optimizer, steps: int) -> None:
+    for _ in range(steps):
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = p.detach().clone()
+        optimizer.step()
+
+
+def test_upstream_fails_as_the_issue_says():
+    with pytest.raises(AssertionError):
+        _module().DistributedOptimizer(_params()).sharded_state_dict_for_loading()
+
+
+def test_the_step_before_the_first_step_is_zero_and_leaves_the_state(rp, capsys):
+    rp.say._SAID.clear()
+    optimizer = _served(rp).DistributedOptimizer(_params())
+    assert {g["step"] for g in optimizer.state_dict()["optimizer"]["param_groups"]} == {0.0}
+    assert len(optimizer.optimizer.state) == 0
+    assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer asked torch's Adam for its step") == 1
+
+
+def test_a_resume_steps_as_the_uninterrupted_run(rp, capsys):
+    rp.say._SAID.clear()
+    uninterrupted = _served(rp).DistributedOptimizer(_params())
+    _train(uninterrupted.optimizer, 3)
+    saved = uninterrupted.state_dict()
+    resumed = _served(rp).DistributedOptimizer(_params())
+    resumed.sharded_state_dict_for_loading()
+    resumed.load_state_dict(saved)
+    steps = [s["step"] for s in resumed.optimizer.state.values()]
+    assert len({id(s) for s in steps}) == len(steps) and {s.item() for s in steps} == {3.0}
+    _train(resumed.optimizer, 1)
+    assert {s["step"].item() for s in resumed.optimizer.state.values()} == {4.0}
+    assert "> ROCm port: the distributed optimizer's load gave torch's Adam one step tensor" in capsys.readouterr().out
+
+
+def test_without_the_port_a_resume_shares_and_resets_the_step():
+    upstream = _module().DistributedOptimizer(_params())
+    _train(upstream.optimizer, 3)
+    saved = upstream.state_dict()
+    resumed = _module().DistributedOptimizer(_params())
+    resumed.template = {p: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": torch.tensor(0.0)}
+                        for p in resumed.optimizer.param_groups[0]["params"]}
+    resumed.load_state_dict(saved)
+    steps = [s["step"] for s in resumed.optimizer.state.values()]
+    assert len({id(s) for s in steps}) == 1 and steps[0].item() == 0.0
+
+
+def test_apex_or_te_present_is_left_alone(rp):
+    module = _served(rp, have_apex_or_te=True)
+    assert module.DistributedOptimizer.state_dict is _UpstreamDistributedOptimizer.state_dict
+    assert module.DistributedOptimizer.load_state_dict is _UpstreamDistributedOptimizer.load_state_dict
+
+
+class _UpstreamDpReshardable(_UpstreamDistributedOptimizer):
+    """upstream 2025-11's dp_reshardable parameter state (6c8cdd57de): every tensor of a parameter's
+    state is taken for a shard of the gradient buffer, and written back key by key."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.config = types.SimpleNamespace(use_precision_aware_optimizer=False)
+        self.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
+
+    def _get_main_param_and_optimizer_states(self, model_param):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        return {"param": main_param, **self.optimizer.state[main_param]}
+
+    def get_parameter_state_dp_reshardable(self):
+        params = list(self.model_param_group_index_map)
+        return {"per_bucket_numel": [12], 0: {torch.float32: [[self._get_main_param_and_optimizer_states(p)
+                                                                for p in params]]}}
+
+    def sharded_param_state_dp_reshardable(self):
+        for tensors in self.get_parameter_state_dp_reshardable()[0][torch.float32][0]:
+            for key in tensors:
+                assert tensors[key].shape == (4,), (tensors[key].shape, 0, 4)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst_tensors = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():  # upstream's loaders run under torch.no_grad()
+            for key in dst_tensors:
+                dst_tensors[key].copy_(tensors[key])
+
+
+def _dp_module():
+    module = _module()
+    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamDpReshardable,), {})
+    return module
+
+
+def test_upstream_2025_11_cannot_save_the_parameter_state():
+    optimizer = _dp_module().DistributedOptimizer(_params())
+    _train(optimizer.optimizer, 1)
+    with pytest.raises(AssertionError, match=r"torch.Size\(\[\]\)"):
+        optimizer.sharded_param_state_dp_reshardable()
+
+
+def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp, capsys):
+    module = _dp_module()
+    for step in rp.after_import_steps(MODULE):
+        step(module)
+    optimizer = module.DistributedOptimizer(_params())
+    _train(optimizer.optimizer, 2)
+    optimizer.sharded_param_state_dp_reshardable()  # saves
+    saved = [{k: v.clone() for k, v in t.items()} for t in optimizer.get_parameter_state_dp_reshardable()[0][
+        torch.float32][0]]
+    assert all("step" not in t and set(t) == {"param", "exp_avg", "exp_avg_sq"} for t in saved)
+    assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer's dp_reshardable") == 1
+    for model_param, tensors in zip(optimizer.model_param_group_index_map, saved):
+        optimizer._set_main_param_and_optimizer_states(model_param, tensors)  # loads: the step stays
+    assert {s["step"].item() for s in optimizer.optimizer.state.values()} == {2.0}
+
+
+def test_the_ports_fused_adam_resumes_as_upstream_2024_rebuilds_it(rp, capsys):
+    """Upstream 2023-05-24 … 2024-07-30 saves apex's param groups and, on a resume, rebuilds each
+    parameter's state as exp_avg/exp_avg_sq alone (distrib_optimizer.load_state_dict): the port's
+    FusedAdam keeps apex's step in its groups and steps on from it, as the uninterrupted run."""
+    uninterrupted = rp.FusedAdam(_params(), lr=0.1)
+    _train(uninterrupted, 3)
+    saved = uninterrupted.state_dict()
+    assert {g["step"] for g in saved["param_groups"]} == {3}
+    resumed = rp.FusedAdam(_params(), lr=0.1)
+    rebuilt = {i: {k: v.clone() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
+               for i, s in saved["state"].items()}
+    resumed.load_state_dict({"state": rebuilt, "param_groups": saved["param_groups"]})
+    for p, q in zip(resumed.param_groups[0]["params"], uninterrupted.param_groups[0]["params"]):
+        with torch.no_grad():
+            p.copy_(q)
+    _train(uninterrupted, 2)
+    _train(resumed, 2)
+    for p, q in zip(resumed.param_groups[0]["params"], uninterrupted.param_groups[0]["params"]):
+        assert torch.equal(p, q)
+    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+    assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer loaded FusedAdam's state") == 1
+
+
+def test_torch_adamw_fails_the_same_rebuild():
+    adamw = torch.optim.AdamW(_params(), lr=0.1)
+    _train(adamw, 1)
+    saved = adamw.state_dict()
+    rebuilt = {i: {k: v for k, v in s.items() if k != "step"} for i, s in saved["state"].items()}
+    with pytest.raises(KeyError, match="step"):
+        adamw.load_state_dict({"state": rebuilt, "param_groups": saved["param_groups"]})
