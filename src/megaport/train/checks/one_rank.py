@@ -65,7 +65,9 @@ def base_run(context: Context, family: str, layout, mode: str = "ported") -> pre
                                                               vocab_multiple=layouts.VOCAB_MULTIPLE))
 
 
-def _once(key, make):
+def once(key, make):
+    """``make()``, made once a session under ``key`` (a failure is kept too: what shares it fails of
+    the first cause, not of a rerun's)."""
     with _LOCK:
         if key not in _SHARED:
             try:
@@ -77,7 +79,8 @@ def _once(key, make):
         return _SHARED[key]
 
 
-def _key(context: Context, run: pretrain.Run) -> tuple:
+def key(context: Context, run: pretrain.Run) -> tuple:
+    """What a run shares under: its tree, device, family and sizes."""
     return (context.tree, run.device, run.family, dataclasses.astuple(run.sizes))
 
 
@@ -104,6 +107,11 @@ def _unsaved_experts(tree: str, family: str) -> tuple:
     return ()
 
 
+def shared_count() -> int:
+    """How many shared runs this session made (names their folders apart)."""
+    return len(_SHARED)
+
+
 def shared_start(context: Context, run: pretrain.Run) -> Start:
     """Where every layout of ``run``'s family and sizes starts, made once a session: one rank's
     checkpoint (written here) where the era can write one every layout loads, else
@@ -114,13 +122,13 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
             why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn "
                    "once, then split")
             return Start(extra=((("--use-cpu-initialization",), why),))
-        folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{len(_SHARED)}")
+        folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
         start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
         pretrain.run_pretrain(dataclasses.replace(start.of(run), load=None,
                                                   sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS), save=folder),
                               context.env)
         return start
-    return _once(_key(context, run), make)
+    return once(key(context, run), make)
 
 
 def layout_run(context: Context, family: str, layout, sized_for=None) -> tuple:
@@ -130,7 +138,7 @@ def layout_run(context: Context, family: str, layout, sized_for=None) -> tuple:
     base = base_run(context, family, sized_for or layout)
     start = shared_start(context, base)
     run = dataclasses.replace(start.of(base), layout=layout.name)
-    return run, _once(_key(context, base) + (layout.name,), lambda: pretrain.run_pretrain(run, context.env))
+    return run, once(key(context, base) + (layout.name,), lambda: pretrain.run_pretrain(run, context.env))
 
 
 def reshards(tree: str) -> bool:

@@ -23,8 +23,11 @@ from megaport.train.checks import one_rank
 from megaport.train.checks.spec import Check, Context, loss_figures
 from megaport.train.layouts import registry as layouts
 
-#: the iteration the first run saves at and exits, half the compared window
-SAVED_AT = one_rank.STEPS // 2
+def saved_at(steps: int) -> int:
+    """The iteration the first run saves at and exits: half the compared window."""
+    return steps // 2
+
+
 #: flags of a layout whose ranks each hold a shard of the optimizer's state
 SHARDED_OPTIMIZER = "--use-distributed-optimizer"
 #: upstream logs a run's first iteration without resetting its running loss, so the run's second
@@ -33,12 +36,13 @@ _FIRST_LOG_KEPT = ("megatron/training/training.py", "should_reset = not is_first
 
 
 def _checkpoint_run(run: pretrain.Run, folder: str, resumed: bool) -> pretrain.Run:
-    """``run`` saving at :data:`SAVED_AT` and exiting, or (``resumed``) loading that checkpoint."""
+    """``run`` saving at :func:`saved_at` and exiting, or (``resumed``) loading that checkpoint."""
+    at = saved_at(run.sizes.steps)
     if resumed:
-        added = (("--load", folder), f"resumes from iteration {SAVED_AT}'s checkpoint (optimizer, RNG, data position)")
+        added = (("--load", folder), f"resumes from iteration {at}'s checkpoint (optimizer, RNG, data position)")
     else:
-        added = (("--save", folder, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)),
-                 f"saves at iteration {SAVED_AT} (optimizer and RNG included) and exits")
+        added = (("--save", folder, "--save-interval", str(at), "--exit-interval", str(at)),
+                 f"saves at iteration {at} (optimizer and RNG included) and exits")
     return dataclasses.replace(run, extra=run.extra + (added,))
 
 
@@ -47,7 +51,7 @@ def _resumed_runs(context: Context, family: str, layout) -> dict:
     base = dataclasses.replace(one_rank.base_run(context, family, layout), layout=layout.name)
 
     def make() -> dict:
-        folder = os.path.join(context.workdir, f"resume-{family}-{layout.name}-{len(one_rank._SHARED)}")
+        folder = os.path.join(context.workdir, f"resume-{family}-{layout.name}-{one_rank.shared_count()}")
         runs = {"uninterrupted": pretrain.run_pretrain(base, context.env),
                 "saved": pretrain.run_pretrain(_checkpoint_run(base, folder, False), context.env)}
         try:
@@ -55,15 +59,16 @@ def _resumed_runs(context: Context, family: str, layout) -> dict:
         except RuntimeError as exc:  # a resume that trains nothing is an error, kept with its log's end
             runs["resumed"] = {"iterations": [], "losses": [], "grad_norms": [], "error": str(exc)}
         return runs
-    return one_rank._once(one_rank._key(context, base) + ("resume", layout.name), make)
+    return one_rank.once(one_rank.key(context, base) + ("resume", layout.name), make)
 
 
 def _expected(tree: str, uninterrupted: dict) -> dict:
     """What the resumed run should log: the uninterrupted run's figures, its loss at the second
     resumed iteration the mean of that and the one before where upstream logs it so."""
     expected = {k: list(uninterrupted[k]) for k in ("iterations", "losses", "grad_norms")}
-    if tree_files.tree_says(tree, *_FIRST_LOG_KEPT) and SAVED_AT + 2 in expected["iterations"]:
-        at = expected["iterations"].index(SAVED_AT + 2)
+    second = saved_at(len(expected["iterations"])) + 2
+    if tree_files.tree_says(tree, *_FIRST_LOG_KEPT) and second in expected["iterations"]:
+        at = expected["iterations"].index(second)
         expected["losses"][at] = (expected["losses"][at - 1] + expected["losses"][at]) / 2
     return expected
 
@@ -71,14 +76,15 @@ def _expected(tree: str, uninterrupted: dict) -> dict:
 def resume_problems(runs: dict, compared: dict) -> list:
     """Why the saved and resumed runs do not make the uninterrupted one, one sentence each."""
     saved, resumed, whole = runs["saved"], runs["resumed"], runs["uninterrupted"]["iterations"]
-    if not [i for i in resumed["iterations"] if i > SAVED_AT]:
+    at = saved_at(len(whole))
+    if not [i for i in resumed["iterations"] if i > at]:
         why = resumed.get("error", "").strip().splitlines()
-        return [f"the resumed run trained nothing after iteration {SAVED_AT}" + (f": {why[0]}" if why else "")]
+        return [f"the resumed run trained nothing after iteration {at}" + (f": {why[0]}" if why else "")]
     problems = []
     if saved["iterations"] + resumed["iterations"] != whole:
         problems.append(f"iterations {saved['iterations']} then {resumed['iterations']} after the resume, "
                         f"not the uninterrupted run's {whole}")
-    return problems + parity.parity_problems(compared, len(whole))
+    return problems + parity.parity_problems(compared, len(whole), yardstick="the uninterrupted run")
 
 
 def _one(context: Context, family: str, layout) -> dict:
@@ -86,8 +92,9 @@ def _one(context: Context, family: str, layout) -> dict:
     runs = _resumed_runs(context, family, layout)
     joined = {k: runs["saved"][k] + runs["resumed"][k] for k in ("iterations", "losses", "grad_norms")}
     compared = parity.loss_parity(joined, _expected(context.tree, runs["uninterrupted"]))
-    compared.update(against=f"the uninterrupted {one_rank.STEPS}-iteration run, same layout",
-                    saved_at=SAVED_AT, resumed_iterations=runs["resumed"]["iterations"],
+    steps = len(runs["uninterrupted"]["iterations"])
+    compared.update(against=f"the uninterrupted {steps}-iteration run, same layout",
+                    saved_at=saved_at(steps), resumed_iterations=runs["resumed"]["iterations"],
                     run={k: runs["resumed"][k] for k in ("command", "notes", "port_log") if k in runs["resumed"]})
     compared["problems"] = resume_problems(runs, compared)
     return compared
@@ -97,7 +104,7 @@ def compare(context: Context, family: str, layout) -> dict:
     """The resume on one rank and in ``layout``, each against its uninterrupted run."""
     on_one_rank, mine = _one(context, family, layouts.ONE_RANK), _one(context, family, layout)
     mine["one_rank"] = {k: v for k, v in on_one_rank.items() if k != "run"}
-    mine["against"] = f"the uninterrupted {one_rank.STEPS}-iteration run, in the layout and on one rank"
+    mine["against"] = "the uninterrupted run, in the layout and on one rank"
     mine["problems"] = [f"one rank: {p}" for p in on_one_rank["problems"]] + mine["problems"]
     return mine
 
@@ -116,6 +123,6 @@ def not_for(layout, tree: str) -> str | None:
     return f"resumes are checked where {SHARDED_OPTIMIZER} shards the optimizer's state, and on one rank beside it"
 
 
-CHECK = Check(name="resume", summary=f"saved at iteration {SAVED_AT} and resumed = the uninterrupted run "
+CHECK = Check(name="resume", summary="saved halfway and resumed = the uninterrupted run "
               "(one rank and the layout; loss 1 %, grad norm 5 %)", compare=compare, not_for=not_for,
               figures=figures)
