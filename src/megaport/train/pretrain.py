@@ -161,6 +161,10 @@ def _layout_flags(run: Run, layout, notes: list) -> list:
     flags = layout.flags_for(run.tree)
     if layout.micro_batch is not None:
         flags += ["--micro-batch-size", str(layout.micro_batch)]
+    if legacy_models_by_default(run.tree):
+        flags += ["--use-mcore-models"]
+        notes.append("--use-mcore-models (this era builds legacy models unless told; its parallel features, "
+                     "--overlap-param-gather among them, are Megatron Core's)")
     ranks = layout.ranks
     where = f"{ranks.per_node} ranks" if ranks.nodes == 1 else f"{ranks.nodes} nodes of {ranks.per_node} rank(s)"
     notes.append(f"layout {layout.name}: {layout.summary}, {where} ({' '.join(flags)})")
