@@ -379,7 +379,18 @@ def _layout_rows(document: dict, state: PortState):
         for layout, checks in per_layout.items():
             yield f"{layout} {family}", escape(layout_row(checks))
     for line in device.get("layouts_absent") or []:
-        yield "layout not in era", escape(line)
+        yield "layout not run", escape(line)
+    for why, lines in _grouped_by_why(device.get("checks_not_for") or []).items():
+        yield "check not applied", escape(f"{'; '.join(lines)}: {why}")
+
+
+def _grouped_by_why(lines: list) -> dict:
+    """'check for family in layout: why' lines, one entry a why: why -> [check for family in layout, ...]."""
+    grouped: dict = {}
+    for line in lines:
+        what, _, why = line.partition(": ")
+        grouped.setdefault(why, []).append(what)
+    return grouped
 
 
 def _parity_rows(document: dict, state: PortState):

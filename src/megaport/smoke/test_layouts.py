@@ -34,8 +34,8 @@ def pytest_generate_tests(metafunc):
                                     checks.select(config.getoption("--megaport-checks")),
                                     models=[m.strip() for m in models.split(",")] if models else None)
         runs, off_gpu = _on_the_cpu_where_they_can(smoke, runs)
-        smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}{f' vs {a.check}' if a.check else ''}: {a.why}"
-                                         for a in absent] + off_gpu
+        smoke.facts["layouts_absent"] = [f"{a.family} in {a.layout}: {a.why}" for a in absent if not a.check] + off_gpu
+        smoke.facts["checks_not_for"] = [f"{a.check} for {a.family} in {a.layout}: {a.why}" for a in absent if a.check]
         if not runs:  # an empty parameter set would be a skip: deselected instead (conftest)
             metafunc.parametrize("planned", [pytest.param(None, marks=pytest.mark.no_layout_runs)], ids=["none"])
             return
