@@ -480,3 +480,23 @@ def test_launch_substitutes_the_collectives_only_with_cpu(tmp_path, cpu):
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert f"own: {not cpu}" in proc.stdout
+
+
+def test_cpu_runs_run_torch_compile_eagerly_and_undo_gives_it_back(clean, monkeypatch):
+    """Inductor's C++ build cost a 2-rank CPU run 6 of its 16 s; compiled functions run as written."""
+    monkeypatch.delenv(cpu_substitutions.DYNAMO_DISABLE, raising=False)
+
+    def traced(x, seen):
+        seen.append(torch.compiler.is_compiling())
+        return x * 2
+
+    def compiled_call() -> bool:
+        seen = []
+        torch.compile(traced, backend="eager")(torch.ones(2), seen)
+        return seen[0]
+
+    cpu_substitutions.install(torch, "training")
+    assert compiled_call() is False
+    cpu_substitutions.undo()
+    assert cpu_substitutions.DYNAMO_DISABLE not in os.environ
+    assert compiled_call() is True

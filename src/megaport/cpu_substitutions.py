@@ -40,6 +40,9 @@ from typing import Callable
 MARK = "> megaport cpu:"
 #: What torch.cuda.get_device_capability() answers on ROCm's MI300X (gfx942).
 TARGET_CAPABILITY = (9, 4)
+#: torch's switch that makes torch.compile run its functions as written (read at each call; torch
+#: 2.13's TORCH_COMPILE_DISABLE is read once, at torch._dynamo's import)
+DYNAMO_DISABLE = "TORCHDYNAMO_DISABLE"
 LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
                        "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
 
@@ -419,6 +422,24 @@ def _nvtx(patch: Patch, torch) -> None:
     patch.set(nvtx, "range", lambda *args, **kwargs: contextlib.nullcontext())
 
 
+@substitution("eager-compile")
+def _eager_compile(patch: Patch, torch) -> None:
+    """torch.compile runs its functions as written: on a CPU inductor builds C++ with the host's
+    compiler in every process (upstream's ``jit_fuser`` is torch.compile from torch 2.2), which cost
+    a 2-rank, 30-iteration Llama run on main 6 of its 16 s (10.3 s eager, its last loss 1e-5 apart).
+    On a GPU nothing changes: the row is installed by CPU runs only."""
+    saved = os.environ.get(DYNAMO_DISABLE)
+    os.environ[DYNAMO_DISABLE] = "1"  # torch.compile reads it at each call
+
+    def restore() -> None:
+        if saved is None:
+            os.environ.pop(DYNAMO_DISABLE, None)
+        else:
+            os.environ[DYNAMO_DISABLE] = saved
+
+    patch.later(restore)
+
+
 @substitution("backward-placement")
 def _backward_placement(patch: Patch, torch) -> None:
     """Autograd runs a backward without the caller's function mode: each runs under a fresh placement mode.
@@ -510,7 +531,8 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "training": Profile(
         rows=("gloo", "gloo-collectives", "device-queries", "current-device", "device-no-ops", "memory-counters",
-              "tensor-cuda", "legacy-constructors", "rng", "streams", "nvtx", "backward-placement"),
+              "tensor-cuda", "legacy-constructors", "rng", "streams", "nvtx", "backward-placement",
+              "eager-compile"),
         says=(
             "process group: backend nccl -> gloo, NCCL-only group options dropped",
             "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
@@ -523,6 +545,8 @@ PROFILES: dict[str, Profile] = {
             "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
             "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
             "torch.histc of integers (CUDA-only): counted on a float copy, counts in the input's dtype",
+            "torch.compile off: upstream's compiled functions (jit_fuser) run eagerly, as written (inductor's C++ "
+            "build cost every CPU process seconds)",
         )),
     "placement-mode": Profile(rows=("placement-mode",)),
     "deepspeed": Profile(
