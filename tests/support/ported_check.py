@@ -20,8 +20,11 @@ BLOCKED_ROOTS = ("apex", "amp_C")
 
 
 def blocked_modules_loaded() -> list[str]:
+    """Blocked modules really loaded: the port marks them absent with None in sys.modules (so a
+    find_spec probe hears "not installed"), which is no module."""
     return sorted(
-        name for name in sys.modules if name.split(".")[0] in BLOCKED_ROOTS or name.split(".")[0].endswith("_cuda")
+        name for name, module in list(sys.modules.items()) if module is not None
+        and (name.split(".")[0] in BLOCKED_ROOTS or name.split(".")[0].endswith("_cuda"))
     )
 
 
