@@ -500,6 +500,9 @@ def _deepspeed_accelerator(patch: Patch, torch) -> None:
             patch.set(cls, "is_fp16_supported", lambda self: True)
             patch.set(cls, "is_bf16_supported", lambda self: True)
             patch.set(cls, "current_device_name", lambda self: "cpu")
+            # one device per rank of this node, as on a GPU box: the fork sets args.local_rank to
+            # rank % device_count, which DeepSpeed's engine checks against torchrun's LOCAL_RANK
+            patch.set(cls, "device_count", lambda self: int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     # On the package, not on cuda_accelerator itself: the port's own after-import finder (for
     # DeepSpeed's legacy tensor types) comes first on sys.meta_path and would answer for that module.
@@ -553,7 +556,8 @@ PROFILES: dict[str, Profile] = {
         rows=("deepspeed-accelerator",), when=_fork_tree,
         says=("DeepSpeed's CUDA accelerator: is_fp16_supported()/is_bf16_supported() answer True "
               "(the CPU device of the run has capability (0, 0); ROCm GPUs have both), "
-              "current_device_name() answers 'cpu'",)),
+              "current_device_name() answers 'cpu', device_count() the ranks of this node (the fork's local "
+              "rank is rank % device_count, which the engine checks against torchrun's LOCAL_RANK)",)),
     "placement": Profile(
         rows=("tensor-cuda", "legacy-constructors", "current-device", "cpu-stream", "placement-mode"),
         says=("tensors upstream places on 'cuda' are placed on the CPU (torch.cuda.current_device() "
