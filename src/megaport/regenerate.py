@@ -132,15 +132,8 @@ def regenerate_ports(root: Path, ports: tuple[PortVariant, ...], *, write: bool)
     wanted = {}
     for variant in ports:
         for patch in port_patches(variant):
-            wanted[patch.path(root)] = (patch.folder, patch.data)
-    results = []
-    for path, (folder, after) in wanted.items():
-        changed = not path.is_file() or path.read_bytes() != after
-        if write and changed:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(after)
-        results.append(Regeneration(f"{PORT_DIR}/{folder}", path, changed))
-    return results
+            wanted[patch.path(root)] = (f"{PORT_DIR}/{patch.folder}", patch.data)
+    return _write_patches(wanted, write)
 
 
 @dataclass

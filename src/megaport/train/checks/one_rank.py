@@ -183,8 +183,6 @@ ERA_GRAD_SCALES = (
 
 def era_grad_scale(tree: str, layout) -> tuple:
     """How much the era's own code multiplies the layout's grad norm over one rank's, and why: (factor, why or None)."""
-    from megaport.train import example
-
     factor, reasons = 1, []
     for path, text, flag, why in ERA_GRAD_SCALES:
         size = example.flag_value(list(layout.flags), flag)
