@@ -500,3 +500,38 @@ def test_cpu_runs_run_torch_compile_eagerly_and_undo_gives_it_back(clean, monkey
     cpu_substitutions.undo()
     assert cpu_substitutions.DYNAMO_DISABLE not in os.environ
     assert compiled_call() is True
+
+
+def test_the_jit_warm_up_leaves_the_host_generator_as_a_gpu_run_does(clean, tmp_path, monkeypatch):
+    """Upstream's warm-up draws inputs sized by TP and micro-batch on the device; on the CPU (device
+    generator = host generator) it moved the host generator by the layout's shapes, and
+    --use-cpu-initialization drew another model in each layout (Megatron-DeepSpeed 2024-12)."""
+    (tmp_path / "megaport_test_warmup.py").write_text(textwrap.dedent("""\
+        import torch
+
+        def _warmup_jit_function(tp_size=1):
+            torch.rand(64 // tp_size, device="cuda")
+
+        def set_jit_fusion_options(tp_size=1):
+            _warmup_jit_function(tp_size)
+
+        unwrapped = _warmup_jit_function
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cpu_substitutions, "WARMUP_MODULES", ("megaport_test_warmup",))
+    monkeypatch.delitem(sys.modules, "megaport_test_warmup", raising=False)
+
+    def drawn_after_warm_up(tp_size: int) -> float:
+        torch.manual_seed(1234)
+        sys.modules["megaport_test_warmup"].set_jit_fusion_options(tp_size)
+        return torch.rand(1).item()
+
+    cpu_substitutions.install(torch, "training", "placement-mode")
+    import megaport_test_warmup  # noqa: F401  (imported under the rows, as the training run's script is)
+
+    torch.manual_seed(1234)
+    untouched = torch.rand(1).item()
+    assert drawn_after_warm_up(1) == drawn_after_warm_up(2) == untouched
+    torch.manual_seed(1234)
+    sys.modules["megaport_test_warmup"].unwrapped(2)  # the warm-up as upstream wrote it
+    assert torch.rand(1).item() != untouched

@@ -486,6 +486,39 @@ def _rng_tracker_fork(patch: Patch, torch) -> None:
     patch.set(tracker, "fork", lambda *args, **kwargs: contextlib.nullcontext())
 
 
+#: the modules whose ``_warmup_jit_function`` draws its warm-up inputs on the device, newest first
+WARMUP_MODULES = ("megatron.training.initialize", "megatron.initialize")
+
+
+@substitution("warmup-rng")
+def _warmup_rng(patch: Patch, torch) -> None:
+    """Upstream's JIT warm-up draws its inputs on the device (``torch.rand(..., device='cuda')``,
+    sized by TP and micro-batch), from the device's generator; on the CPU that generator is the
+    host's (row ``rng``), so the warm-up moved the host generator by a layout's shapes, and
+    ``--use-cpu-initialization`` drew other weights in every layout (Megatron-DeepSpeed 2024-12: TP2
+    and one rank 0.2 % apart in loss at iteration 1). It runs under ``torch.random.fork_rng``: the
+    host generator is left as a GPU run leaves it."""
+    from megaport.train.hooks import after_import, forget
+
+    def on_import(module) -> None:
+        warmup = getattr(module, "_warmup_jit_function", None)
+        if warmup is None:
+            return
+
+        def host_generator_kept(*args, **kwargs):
+            with torch.random.fork_rng(devices=[]):
+                return warmup(*args, **kwargs)
+
+        patch.set(module, "_warmup_jit_function", host_generator_kept)
+
+    for name in WARMUP_MODULES:
+        if name in sys.modules:
+            on_import(sys.modules[name])
+        else:
+            after_import(name, on_import)
+            patch.later(lambda name=name: forget(name, on_import))
+
+
 @substitution("deepspeed-accelerator")
 def _deepspeed_accelerator(patch: Patch, torch) -> None:
     """DeepSpeed's CUDA accelerator would refuse fp16/bf16 on the CPU: it answers True, its device 'cpu'.
@@ -534,8 +567,8 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "training": Profile(
         rows=("gloo", "gloo-collectives", "device-queries", "current-device", "device-no-ops", "memory-counters",
-              "tensor-cuda", "legacy-constructors", "rng", "streams", "nvtx", "backward-placement",
-              "eager-compile"),
+              "tensor-cuda", "legacy-constructors", "rng", "warmup-rng", "streams", "nvtx",
+              "backward-placement", "eager-compile"),
         says=(
             "process group: backend nccl -> gloo, NCCL-only group options dropped",
             "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
@@ -546,6 +579,8 @@ PROFILES: dict[str, Profile] = {
             "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU "
             "(in autograd functions' backward too)",
             "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
+            "JIT warm-up: its device draws leave the host generator as they found it (as on a GPU, whose "
+            "warm-up draws from the device's generator: --use-cpu-initialization's weights as there)",
             "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
             "torch.histc of integers (CUDA-only): counted on a float copy, counts in the input's dtype",
             "torch.compile off: upstream's compiled functions (jit_fuser) run eagerly, as written (inductor's C++ "

@@ -155,16 +155,36 @@ def reshards(tree: str) -> bool:
     return example.parser_has(tree, "--ckpt-format") or example.parser_has(tree, "--use-dist-ckpt")
 
 
+#: eras whose one initialisation is not one model in a layout: (the era's file, text it holds while
+#: so, the layout flag that splits it, why). Megatron-DeepSpeed's attention reads each rank's QKV
+#: output as [all queries; all keys; all values], while ``--use-cpu-initialization`` splits one
+#: rank's weight by rows (stride 1): at TP2 rank 0 takes all the queries and reads half of them as
+#: keys, another model from the first step (2024-12: TP2 and one rank 5e-5 apart in fp32 at
+#: iteration 1, 2.3 % by iteration 30; the same TP2 run and unported upstream's 5e-4)
+UNSHARED_STARTS = (
+    ("megatron/model/transformer.py", "each_hidden_size = mixed_x_layer.shape[-1] // 3", "--tensor-model-parallel-size",
+     "this era's attention reads each TP rank's QKV rows as [queries; keys; values] blocks, which one "
+     "initialisation split by rows does not give (another model from iteration 1)"),
+)
+
+
 def not_for(layout, tree: str) -> str | None:
     """Why a layout cannot be compared with one rank from one checkpoint on ``tree``: none is one
     rank itself; before distributed checkpoints each (tensor, pipeline) rank reads its own file, so
     only one initialisation can be shared (``--use-cpu-initialization``: the full weights drawn
-    once, then split), and pipeline stages draw their layers' weights from their own seeds."""
+    once, then split), and pipeline stages draw their layers' weights from their own seeds; nor
+    where the era's split of one initialisation is another model (:data:`UNSHARED_STARTS`)."""
     if layout is layouts.ONE_RANK:
         return "one rank is the yardstick itself"
-    if not reshards(tree) and "--pipeline-model-parallel-size" in layout.flags:
+    if reshards(tree):
+        return None
+    if "--pipeline-model-parallel-size" in layout.flags:
         return ("this era's checkpoints do not reshard and its pipeline stages seed their own weights: "
                 "compared with unported upstream in the same layout")
+    for path, text, flag, why in UNSHARED_STARTS:
+        size = example.flag_value(list(layout.flags), flag)
+        if size and int(size) > 1 and tree_files.tree_says(tree, path, text):
+            return f"{why}: compared with unported upstream in the same layout"
     return None
 
 
