@@ -7,6 +7,7 @@ test_train_fullclone.py and by verify's smoke suite)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -369,3 +370,20 @@ print(torch.allclose(norm(x), want, atol=1e-6), torch.allclose(FastLayerNormFN.a
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True"] * 7
+
+
+def test_a_run_of_several_ranks_names_the_first_rank_to_fail_not_its_peers_closed_connection(tmp_path, monkeypatch):
+    """Rank 1 raises; rank 0 then dies of "Connection closed by peer", the log's last error."""
+    from megaport.train import failure, log
+
+    monkeypatch.setenv(failure.FAILURE_DIR_ENV, str(tmp_path))
+    for name, exc in (("failure-9.json", AssertionError("sequence parallel not supported by torch LayerNorm")),
+                      ("failure-1.json", RuntimeError("[pair.cc:534] Connection closed by peer"))):
+        failure.record(exc)  # each rank's file is named by its pid, which says nothing of the order
+        (tmp_path / f"failure-{os.getpid()}.json").rename(tmp_path / name)
+    died_of = failure.read(tmp_path)
+    assert [f.exception for f in died_of] == ["AssertionError", "RuntimeError"]  # written first, read first
+    stderr = "RuntimeError: [pair.cc:534] Connection closed by peer\n"
+    message = log.failure_message(1, "", stderr, 0, first_failure=died_of[0])
+    assert message.splitlines()[0].endswith("AssertionError: sequence parallel not supported by torch LayerNorm")
+    assert "Connection closed" in log.failure_message(1, "", stderr, 0).splitlines()[0]

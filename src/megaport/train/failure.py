@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,12 +77,14 @@ def record(exc: BaseException) -> None:
     if not folder or isinstance(exc, SystemExit):
         return
     path = Path(folder) / f"failure-{os.getpid()}.json"
-    path.write_text(json.dumps(asdict(from_exception(exc))), encoding="utf-8")
+    path.write_text(json.dumps({"at": time.time_ns(), **asdict(from_exception(exc))}), encoding="utf-8")
 
 
 def read(folder) -> list:
-    """The failures recorded in ``folder``."""
-    return [_decode(json.loads(p.read_text(encoding="utf-8"))) for p in sorted(Path(folder).glob("failure-*.json"))]
+    """The failures recorded in ``folder``, the first written first: in a run of several ranks the
+    first to fail is the cause, the others die of its closed connections."""
+    recorded = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(Path(folder).glob("failure-*.json"))]
+    return [_decode(data) for data in sorted(recorded, key=lambda data: data.get("at", 0))]
 
 
 def _decode(data: dict) -> Failure:

@@ -46,10 +46,12 @@ def parse_log(text: str) -> list:
 
 
 def failure_message(returncode: int, stdout: str, stderr: str, logged: int, lines: int = 25,
-                    entry_point: str = "pretrain_gpt.py") -> str:
+                    entry_point: str = "pretrain_gpt.py", first_failure=None) -> str:
     """Why the run failed, in the rank's own words: torchrun's exit status is always 1 and its
     ChildFailedError report ends stderr, so the rank's exit code is read from that report and the
-    report itself is left out of the quoted tail."""
+    report itself is left out of the quoted tail. ``first_failure``: the exception the first rank
+    to fail recorded (:mod:`megaport.train.failure`), which names the cause where the log's last
+    error is another rank's "Connection closed by peer"."""
     code = re.search(r"exitcode\s*:\s*(-?\d+)", stderr)
     launcher = stderr.find("Traceback (most recent call last)") if "ChildFailedError" in stderr else -1
     while launcher >= 0 and "torch/distributed" not in stderr[launcher:launcher + 400]:
@@ -58,7 +60,7 @@ def failure_message(returncode: int, stdout: str, stderr: str, logged: int, line
     tail = "\n".join((stdout.rstrip() + "\n" + own.rstrip()).strip().splitlines()[-lines:])
     status = f"exit code {code.group(1)}" if code else f"exit code {returncode}"
     errors = [m.group(1) for m in _ERROR.finditer(stdout + "\n" + own)]
-    reason = f" {errors[-1][:300]}" if errors else ""
+    reason = f" {str(first_failure)[:300]}" if first_failure else f" {errors[-1][:300]}" if errors else ""
     return f"{entry_point} failed ({status}) after {logged} logged iterations:{reason}\n{tail}"
 
 

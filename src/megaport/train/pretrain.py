@@ -391,7 +391,8 @@ def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -
     if proc.returncode != 0 or not iterations:
         raise failure.RunFailed(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations),
                                                     entry_point=cmd.argv[cmd.argv.index("megaport.train.launch") + 1 +
-                                                                         (run.device == "cpu")]),
+                                                                         (run.device == "cpu")],
+                                                    first_failure=died_of[0] if died_of else None),
                                 died_of)
     timed = [i.ms for i in iterations[run.warmup:]] or [i.ms for i in iterations]
     ms = statistics.median(timed)
