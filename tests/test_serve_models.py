@@ -435,3 +435,23 @@ def test_the_distributed_optimizer_steps_without_te_where_fp8_utils_refused_an_e
     with pytest.raises(RuntimeError, match="Invalid Transformer Engine version"):
         module._quantize_param_shard_impl([torch.zeros(1)], [], [], None)
     assert module._quantize_param_shard_impl.__wrapped__ is _quantize_param_shard_impl
+
+
+def test_a_distributed_checkpoint_loads_without_te_where_the_fp8_fix_asked_its_version(rp, capsys):
+    """Upstream 2025-04 (062c833392 to 72afd63ccb) and core 0.12: loading any torch_dist
+    checkpoint first called is_te_min_version("2.0"), which imports TE: every layout comparison
+    and resume of core-0.10-0.12's newest ref died of ModuleNotFoundError before the port's step."""
+    module = types.ModuleType("megatron.training.checkpointing")
+
+    def fix_fp8_params_lose_precision_when_loading_dist_ckpt(state_dict):
+        import transformer_engine  # noqa: F401  (what upstream's is_te_min_version does first)
+
+    module.fix_fp8_params_lose_precision_when_loading_dist_ckpt = fix_fp8_params_lose_precision_when_loading_dist_ckpt
+    with pytest.raises(ModuleNotFoundError):
+        module.fix_fp8_params_lose_precision_when_loading_dist_ckpt({"model": {}})
+    _after_import(rp, module)
+    _after_import(rp, module)  # a second load wraps nothing twice
+    state = {"model": {"weight": torch.ones(2)}}
+    assert module.fix_fp8_params_lose_precision_when_loading_dist_ckpt(state) is None
+    assert torch.equal(state["model"]["weight"], torch.ones(2))
+    assert "loads without the FP8 parameter fix" in capsys.readouterr().out

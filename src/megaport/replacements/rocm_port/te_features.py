@@ -400,6 +400,26 @@ def _fp8_off_before_validation(module) -> None:
     module.validate_args = validate_args
 
 
+def _no_fp8_params_to_fix_without_te(module) -> None:
+    """Upstream from 062c833392 (2025-04-02) to 72afd63ccb (2025-04-28), and the core 0.12 release
+    line: loading a distributed checkpoint asks ``is_te_min_version("2.0")`` first thing in
+    ``fix_fp8_params_lose_precision_when_loading_dist_ckpt``, which imports TE, so no run resumes
+    or starts from a ``torch_dist`` checkpoint without it (``ModuleNotFoundError``). Without TE no
+    parameter is FP8, and the function changes nothing, as with ``--fp8-param-gather`` off."""
+    fix = getattr(module, "fix_fp8_params_lose_precision_when_loading_dist_ckpt", None)
+    if fix is None or getattr(fix, "_rocm_port", False):
+        return
+
+    @functools.wraps(fix)
+    def fix_fp8_params_lose_precision_when_loading_dist_ckpt(state_dict):
+        say_once("TransformerEngine is not installed: a distributed checkpoint loads without the FP8 parameter "
+                 "fix, which asks TE's version (no parameter is FP8 without TE)")
+        return None
+
+    fix_fp8_params_lose_precision_when_loading_dist_ckpt._rocm_port = True
+    module.fix_fp8_params_lose_precision_when_loading_dist_ckpt = fix_fp8_params_lose_precision_when_loading_dist_ckpt
+
+
 def _no_fp8_shard_to_quantize_without_te(module) -> None:
     """Upstream from 062c833392 (2025-04-02) to 76203e757e (2025-07-15): without TE, fp8_utils'
     fallback ``quantize_param_shard`` raises even when there is no FP8 parameter to quantize, and
