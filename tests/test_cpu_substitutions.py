@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -535,3 +536,58 @@ def test_the_jit_warm_up_leaves_the_host_generator_as_a_gpu_run_does(clean, tmp_
     torch.manual_seed(1234)
     sys.modules["megaport_test_warmup"].unwrapped(2)  # the warm-up as upstream wrote it
     assert torch.rand(1).item() != untouched
+
+
+SENT = 1 << 22  # 16 MiB of float32: a send that is still on the wire when the next line runs
+
+
+def _send_then_free_rank(rank: int, port: int, out_dir: str, substituted: bool) -> None:
+    """Rank 0 sends, then frees the sent output as upstream's deallocate_output_tensor does and
+    reuses the memory; rank 1 says whether what arrived is what was sent."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    patch = cpu_substitutions.Patch()
+    if substituted:
+        cpu_substitutions.REGISTRY["gloo-send-buffers"](patch, torch)
+    outcome = "sent"
+    if rank == 0:
+        output = torch.full((SENT,), 7.0)
+        work = torch.distributed.isend(output, 1)
+        output.data = torch.empty((1,))  # upstream's pseudo-deallocation, before the send completes
+        reused = [torch.full((SENT,), float("nan")) for _ in range(4)]
+        work.wait()
+        del reused
+    else:
+        received = torch.empty(SENT)
+        torch.distributed.recv(received, 0)
+        outcome = "ok" if bool((received == 7.0).all()) else "wrong"
+    torch.distributed.barrier()
+    patch.undo()
+    torch.distributed.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.txt"), "w") as handle:
+        handle.write(outcome)
+
+
+def _send_then_free(tmp_path, substituted: bool, patience: float) -> str:
+    import socket
+
+    tmp_path.mkdir()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = torch.multiprocessing.start_processes(_send_then_free_rank, args=(port, str(tmp_path), substituted),
+                                                    nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + patience
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:  # gloo waiting on a buffer the allocator took back
+            for process in context.processes:
+                process.kill()
+            return "hung"
+    return (tmp_path / "1.txt").read_text()
+
+
+def test_a_pending_gloo_send_keeps_its_buffer_as_nccls_does(tmp_path):
+    """core 0.7's interleaved pipeline freed each sent output at once: on gloo the receiving stage
+    got reused memory (NaN grad norms from iteration 1); NCCL's allocator holds the block."""
+    assert _send_then_free(tmp_path / "kept", substituted=True, patience=300) == "ok"
+    # gloo's own: the receiver waits on what never comes whole (measured: still waiting after 10 min)
+    assert _send_then_free(tmp_path / "freed", substituted=False, patience=15) != "ok"

@@ -307,6 +307,30 @@ def _gloo(patch: Patch, torch) -> None:
     patch.set(dist.distributed_c10d, "new_group", gloo_group)
 
 
+@substitution("gloo-send-buffers")
+def _gloo_send_buffers(patch: Patch, torch) -> None:
+    """A pending gloo send keeps its buffer, as NCCL's does: upstream frees a pipeline stage's sent
+    output before the send completes (``deallocate_output_tensor``: ``out.data = torch.empty(1)``).
+
+    On a GPU the caching allocator holds the freed block for the NCCL stream until the send is done;
+    on the CPU the memory went back at once and gloo sent what reused it: core 0.7's interleaved
+    pipeline (pp2-vpp, bf16) got NaN grad norms from iteration 1, ported and unported alike, and
+    held to 1.174 once each send's storage lived until its work completed."""
+    dist = torch.distributed
+    isend = dist.distributed_c10d.isend
+    pending: list = []
+
+    def isend_keeping_its_buffer(tensor, *args, **kwargs):
+        work = isend(tensor, *args, **kwargs)
+        pending[:] = [(w, kept) for w, kept in pending if w is not None and not w.is_completed()]
+        pending.append((work, tensor.untyped_storage()))
+        return work
+
+    # both names: P2POp accepts only the isend its module holds (distributed_c10d._check_op)
+    patch.set(dist, "isend", isend_keeping_its_buffer)
+    patch.set(dist.distributed_c10d, "isend", isend_keeping_its_buffer)
+
+
 @substitution("gloo-collectives")
 def _gloo_collectives(patch: Patch, torch) -> None:
     """MoE's token dispatchers call collectives gloo refuses and NCCL has: stand-ins built on gloo's own.
@@ -566,11 +590,14 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     "training": Profile(
-        rows=("gloo", "gloo-collectives", "device-queries", "current-device", "device-no-ops", "memory-counters",
+        rows=("gloo", "gloo-collectives", "gloo-send-buffers", "device-queries", "current-device", "device-no-ops",
+              "memory-counters",
               "tensor-cuda", "legacy-constructors", "rng", "warmup-rng", "streams", "nvtx",
               "backward-placement", "eager-compile"),
         says=(
             "process group: backend nccl -> gloo, NCCL-only group options dropped",
+            "pipeline sends: a pending gloo send keeps its buffer until it completes, as NCCL's does (upstream frees "
+            "a stage's sent output at once)",
             "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
             "all_to_all and all_gather lists, each done with gloo's own collectives",
             "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; "
