@@ -366,3 +366,22 @@ def test_tp_layouts_of_an_era_whose_qkv_split_is_another_model_are_compared_with
     assert one_rank.not_for(layouts.get("dp2-zero1"), tree) is None
     transformer.write_text("    (query_layer, key_layer, value_layer) = split_tensor_along_last_dim(mixed_x_layer, 3)\n")
     assert one_rank.not_for(layouts.get("tp2-recompute"), tree) is None
+
+
+def test_tensor_parallel_layouts_are_absent_for_an_mla_that_builds_one_head(tmp_path):
+    """Before 47ab878ae7 (2024-12-07) upstream's MLA builds one head only (core 0.9: "num_attention_heads
+    (1) must be a multiple of tensor_model_parallel_size (2)"): its TP layouts are listed, not run."""
+    from megaport.train.families import deepseek
+
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+                            "--multi-latent-attention", "--num-experts", *LLAMA_FLAGS])
+    mla = Path(tree, deepseek._MLA)
+    mla.parent.mkdir(parents=True)
+    mla.write_text("k = torch.cat([k_no_pe, k_pos_emb], dim=-1)\n")
+    runs, absent = plan.plan(tree, [layouts.get("tp2-sp"), layouts.get("pp2")], checks.select(None),
+                             models=["deepseek"])
+    assert [(a.layout, "one head" in a.why) for a in absent if not a.check] == [("tp2-sp", True)]
+    assert {r.layout.name for r in runs} == {"pp2"}
+    mla.write_text(f"{deepseek._MLA_SHARED_ROPE_EXPANDED}-1, -1, self.num_attention_heads_per_partition, -1)\n")
+    runs, absent = plan.plan(tree, [layouts.get("tp2-sp")], checks.select(None), models=["deepseek"])
+    assert {r.layout.name for r in runs} == {"tp2-sp"}

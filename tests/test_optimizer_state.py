@@ -223,3 +223,57 @@ def test_torch_adamw_fails_the_same_rebuild():
     rebuilt = {i: {k: v for k, v in s.items() if k != "step"} for i, s in saved["state"].items()}
     with pytest.raises(KeyError, match="step"):
         adamw.load_state_dict({"state": rebuilt, "param_groups": saved["param_groups"]})
+
+
+class _UpstreamModelSpace(_UpstreamDistributedOptimizer):
+    """upstream 2024-07-30 … 2025-02-14's fully_sharded_model_space parameter state (core 0.9,
+    772faca1f8): each entry of a parameter's state becomes a flattened shard of the parameter, which
+    must be 1-D, and the load copies every entry of the state back."""
+
+    def sharded_param_state_fs_model_space(self, model_sharded_state_dict=None, is_loading=False):
+        state = {}
+        for index, main_param in enumerate(self.optimizer.param_groups[0]["params"]):
+            tensors = {"fp32_param": main_param, **self.optimizer.state[main_param]}
+            for key, value in tensors.items():
+                if value.dim() != 1:  # ShardedTensor.validate_metadata_integrity
+                    raise ValueError(f"Data should be 1D for a flattened ShardedTensor(key='optimizer.state.{key}')")
+            state[index] = {k: v.clone() for k, v in tensors.items()}
+        return state
+
+    def load_parameter_state_from_fs_model_space(self, state_dict):
+        for index, main_param in enumerate(self.optimizer.param_groups[0]["params"]):
+            dst_tensors = {"fp32_param": main_param, **self.optimizer.state[main_param]}
+            with torch.no_grad():
+                for key in dst_tensors:
+                    dst_tensors[key].copy_(state_dict[index][key])
+
+
+def _model_space_module():
+    module = _module()
+    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamModelSpace,), {})
+    return module
+
+
+def test_upstream_core_0_9_cannot_save_the_model_space_state():
+    optimizer = _model_space_module().DistributedOptimizer(_params())
+    _train(optimizer.optimizer, 1)
+    with pytest.raises(ValueError, match="Data should be 1D"):
+        optimizer.sharded_param_state_fs_model_space()
+
+
+def test_the_model_space_state_leaves_the_step_to_the_param_groups(rp, capsys):
+    rp.say._SAID.clear()
+    module = _model_space_module()
+    for step in rp.after_import_steps(MODULE):
+        step(module)
+    optimizer = module.DistributedOptimizer(_params())
+    _train(optimizer.optimizer, 2)
+    saved = optimizer.sharded_param_state_fs_model_space()
+    assert all(set(t) == {"fp32_param", "exp_avg", "exp_avg_sq"} for t in saved.values())
+    assert {s["step"].item() for s in optimizer.optimizer.state.values()} == {2.0}  # the state as it was
+    _train(optimizer.optimizer, 1)
+    optimizer.load_parameter_state_from_fs_model_space(saved)  # loads: the step stays the optimizer's
+    assert {s["step"].item() for s in optimizer.optimizer.state.values()} == {3.0}
+    assert torch.equal(optimizer.optimizer.state[optimizer.optimizer.param_groups[0]["params"][0]]["exp_avg"],
+                       saved[0]["exp_avg"])
+    assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer's fully_sharded_model_space") == 1

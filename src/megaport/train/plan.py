@@ -72,4 +72,4 @@ def _why_absent(tree: str, family: Family, layout: Layout, present: bool) -> str
         return "the tree has no such family"
     if not family.has_entry_point(tree):
         return f"the tree has no {family.entry_point} (layouts train through the family's own entry point)"
-    return layout.present(tree, family.flags(tree)[0])
+    return layout.present(tree, family.flags(tree)[0]) or family.layout_refused(tree, layout)

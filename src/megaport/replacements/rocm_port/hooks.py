@@ -12,7 +12,12 @@ from . import te_absent
 from .attention import _sdpa_in_dot_product_attention, _sdpa_in_legacy_core_attention
 from .blocker import install_import_blocker
 from .era import TRANSFORMER_ENGINE_IMPORTS_GUARDED
-from .optimizer_state import _checkpoint_step_per_parameter, _param_state_without_step, _step_before_the_first_step
+from .optimizer_state import (
+    _checkpoint_step_per_parameter,
+    _model_space_state_without_step,
+    _param_state_without_step,
+    _step_before_the_first_step,
+)
 from .target_stack import (
     _async_writer_calls_todays_write_item,
     _both_resize_names,
@@ -92,7 +97,7 @@ _AFTER_IMPORT_ATTENTION = {
 _AFTER_IMPORT_WITHOUT_TE = {
     "megatron.core.fp8_utils": _no_fp8_shard_to_quantize_without_te,
     "megatron.core.optimizer.distrib_optimizer": (_step_before_the_first_step, _checkpoint_step_per_parameter,
-                                                    _param_state_without_step),
+                                                    _param_state_without_step, _model_space_state_without_step),
     "megatron.core.transformer.transformer_config": _rope_fusion_off_before_checks,
     "megatron.core.optimizer.clip_grads": _port_multi_tensor_helpers,
     "megatron.core.optimizer.optimizer": _port_multi_tensor_helpers,

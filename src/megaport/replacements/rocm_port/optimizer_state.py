@@ -145,3 +145,48 @@ def _param_state_without_step(module) -> None:
 
     without_step._rocm_port = step_kept._rocm_port = True
     cls.get_parameter_state_dp_reshardable, cls._set_main_param_and_optimizer_states = without_step, step_kept
+
+
+_STEP_OUT_OF_MODEL_SPACE = ("the distributed optimizer's fully_sharded_model_space state left out torch's Adam 0-dim "
+                            "step (the param groups hold it), which upstream made a flattened shard of each parameter")
+
+
+@contextlib.contextmanager
+def _steps_hidden(optimizer):
+    """torch's Adam state of ``optimizer`` without its ``step`` inside, as it was after."""
+    hidden = {p: state.pop("step") for p, state in optimizer.state.items() if isinstance(state, dict) and "step" in state}
+    try:
+        yield bool(hidden)
+    finally:
+        for p, step in hidden.items():
+            optimizer.state[p]["step"] = step
+
+
+def _model_space_state_without_step(module) -> None:
+    """Upstream from 03306e67e2 (2024-07-30) until 3364154e89 (2025-02-14), without apex or TE: the
+    ``fully_sharded_model_space`` parameter state (the default distributed-optimizer checkpoint of
+    the time) makes every entry of torch's per-parameter state a flattened shard of the parameter,
+    its 0-dim ``step`` too, so the first save with ``--use-distributed-optimizer`` fails ("Data
+    should be 1D for a flattened ShardedTensor", core 0.9), and a load would ask for a step it
+    never wrote. As 3364154e89 has it, the step is no part of that state (the param groups hold
+    it): hidden while the state is built and while it is loaded back."""
+    cls = getattr(module, "DistributedOptimizer", None)
+    if cls is None or getattr(module, "HAVE_APEX_OR_TE", True):
+        return
+    for name in ("sharded_param_state_fs_model_space", "load_parameter_state_from_fs_model_space"):
+        method = getattr(cls, name, None)
+        if method is None or getattr(method, "_rocm_port", False):
+            continue
+
+        def without_step(self, *args, _method=method, **kwargs):
+            inner = self.optimizer
+            if not isinstance(inner, torch.optim.Optimizer):
+                return _method(self, *args, **kwargs)
+            with _steps_hidden(inner) as hid:
+                if hid:
+                    say_once(_STEP_OUT_OF_MODEL_SPACE)
+                return _method(self, *args, **kwargs)
+
+        functools.update_wrapper(without_step, method)
+        without_step._rocm_port = True
+        setattr(cls, name, without_step)

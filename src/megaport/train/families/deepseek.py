@@ -44,6 +44,15 @@ def attention_heads(sizes: example.Sizes, tree: str) -> int:
     return 1 if text is not None and _MLA_SHARED_ROPE_EXPANDED not in text else sizes.heads
 
 
+def _one_head_split(tree: str, layout) -> str | None:
+    """Why a TP layout cannot split the era's one-headed MLA (:func:`attention_heads`), or None."""
+    if layout.tensor_parallel > 1 and attention_heads(FAMILY.sizes, tree) < layout.tensor_parallel:
+        return ("this era's multi-latent attention builds one head only (upstream concatenated the shared RoPE key "
+                "part without expanding it to the heads until 47ab878ae7, 2024-12-07), which tensor parallelism "
+                "cannot split")
+    return None
+
+
 def _sizes(sizes: example.Sizes, tree: str) -> dict:
     heads = attention_heads(sizes, tree)
     head = sizes.hidden // heads
@@ -73,4 +82,5 @@ FAMILY = Family(
     # 0.9 (every layer MoE: its parser has no --moe-layer-freq) drifted 2.4 % apart in loss and 67 %
     # in grad norm from step 5; at 1e-3 4.1e-4 / 2.2e-2, loss -27 %
     parity_learning_rate=1e-3,
+    layout_refused=_one_head_split,
 )

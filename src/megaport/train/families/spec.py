@@ -63,6 +63,9 @@ class Family:
     #: iterations a layout is compared with one rank over (:mod:`megaport.train.checks.one_rank`):
     #: a window in which the family's loss falls measurably at its parity learning rate
     layout_steps: int = 30
+    #: why the family's model cannot be split as a layout splits it on a tree, or None:
+    #: ``(tree, layout) -> str | None`` (the layout is then listed as absent for it, with why)
+    layout_refused: Callable = lambda tree, layout: None
     #: baseline shims the unported side starts with (beyond those a failure asks for)
     baseline_shims: tuple = ()
     #: whether flags the era's parser lacks are left out (and said in the notes) and multi-line
