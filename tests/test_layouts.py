@@ -398,3 +398,21 @@ def test_tensor_parallel_layouts_are_absent_for_an_mla_that_builds_one_head(tmp_
     mla.write_text(f"{deepseek._MLA_SHARED_ROPE_EXPANDED}-1, -1, self.num_attention_heads_per_partition, -1)\n")
     runs, absent = plan.plan(tree, [layouts.get("tp2-sp")], checks.select(None), models=["deepseek"])
     assert {r.layout.name for r in runs} == {"tp2-sp"}
+
+
+def test_mixtral_layouts_are_compared_in_fp32_with_sequential_experts_where_grouped_gemm_takes_bf16_alone(tmp_path):
+    """bf16 turned top-2 routing to other experts in core 0.8's ep2-tp2 (6.7 % in grad norm from one
+    rank at one step); in fp32 it held at 2.0e-2. Core 0.5 … 0.8's grouped GEMM refuses fp32."""
+    from megaport.train.checks import one_rank
+    from megaport.train.checks.spec import Context
+
+    tree = _tree(tmp_path, ["--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-grouped-gemm",
+                            *LLAMA_FLAGS])
+    context = Context(tree, None, False, {}, str(tmp_path / "w"))
+    left_out = dict(one_rank.base_run(context, "mixtral", layouts.get("ep2")).left_out)
+    assert "--bf16" in left_out and "--moe-grouped-gemm" not in left_out
+    arguments = Path(tree, "megatron", "training", "arguments.py")
+    arguments.write_text(arguments.read_text() + "assert args.bf16, 'Currently GroupedGEMM for MoE only supports bf16 dtype.'\n")
+    left_out = dict(one_rank.base_run(context, "mixtral", layouts.get("ep2")).left_out)
+    assert {"--bf16", "--moe-grouped-gemm"} <= set(left_out)
+    assert "--bf16" not in dict(one_rank.base_run(context, "llama", layouts.get("tp2")).left_out)

@@ -63,6 +63,8 @@ class Family:
     #: iterations a layout is compared with one rank over (:mod:`megaport.train.checks.one_rank`):
     #: a window in which the family's loss falls measurably at its parity learning rate
     layout_steps: int = 30
+    #: flags every side of a layout comparison leaves out on a tree: ``tree -> ((flag, why), ...)``
+    layout_left_out: Callable[[str], tuple] = lambda tree: ()
     #: why the family's model cannot be split as a layout splits it on a tree, or None:
     #: ``(tree, layout) -> str | None`` (the layout is then listed as absent for it, with why)
     layout_refused: Callable = lambda tree, layout: None
