@@ -67,10 +67,15 @@ def check_fuzz_hint(clone: Path, ref: str, error: str, tmp_path: Path) -> None:
     assert code == 0 and report["series"] == hint.group(2), output
 
 
-@pytest.mark.parametrize("ref", ["26.04-alpha", "core_r0.19.0", "main"])
-def test_other_lines_port_with_no_fuzz(full_clone, tmp_path, ref):
+@pytest.mark.parametrize("ref, series", [
+    ("26.04-alpha", "core-0.17"), ("core_r0.19.0", "core-0.18-main"), ("main", "core-0.18-main"),
+    ("dev", "core-0.19-dev"),
+])
+def test_other_lines_port_with_no_fuzz(full_clone, tmp_path, ref, series):
     """26.04-alpha sorted common_config.py's imports; the RCCL patch's import is anchored at
-    DistributedInitConfig, not in that list, so it ports as release heads and main do."""
+    DistributedInitConfig, not in that list, so it ports as release heads and main do. dev
+    rewrote the RoPE-fusion check core-0.18-main changes: core-0.19-dev is its series."""
     code, report, output = port(full_clone, ref, tmp_path / "ported", "--dry-run")
     assert code == 0, output
+    assert report["series"] == series
     assert_clean(report)
