@@ -223,6 +223,46 @@ def test_builtin_series_are_listed_with_their_tested_refs():
     assert "core_v0.16.1" in {t["ref"] for t in names["core-0.13-0.16"]["tested"]}
 
 
+def test_builtin_series_say_which_lines_they_are_tested_on():
+    """Users port main's first-parent commits, release-branch heads, dev, dated alpha branches
+    and feature branches (issue 40): `megaport series` says which of them each series is tested on."""
+    from megaport.catalogue import LINES
+
+    result = invoke("series", "--json", "-")
+    assert result.exit_code == 0
+    names = {s["name"]: s for s in json.loads(result.stdout)["series"]}
+    assert all(t["line"] in LINES for s in names.values() for t in s["tested"])
+    assert names["core-0.18-main"]["lines"] == ["main", "release"]
+    assert "dev" in names["core-0.19-dev"]["lines"]
+    assert {"release", "alpha", "feature"} <= set(names["core-0.17"]["lines"])
+    assert {t["ref"]: t["line"] for t in names["core-0.17"]["tested"]}["26.04-alpha"] == "alpha"
+    lines_on = {line for s in names.values() for line in s["lines"]}
+    assert lines_on == set(LINES)
+    table = invoke("series")
+    assert "lines" in table.output and "main, release" in table.output
+
+
+ONE_PATCH = {"0001-change.patch": "Subject: [PATCH] change\n"}
+
+
+def test_a_tested_ref_s_line_comes_from_its_name_unless_the_entry_names_it(tmp_path):
+    tested = ", ".join([
+        '{ ref = "main", sha = "" }', '{ ref = "core_r0.19.0", sha = "" }', '{ ref = "core_v0.18.0", sha = "" }',
+        '{ ref = "dev", sha = "" }', '{ ref = "26.04-alpha", sha = "" }', '{ ref = "dsv4", sha = "" }',
+        '{ ref = "v2.0", sha = "", line = "main" }',
+    ])
+    root = write_catalogue(tmp_path / "cat", ONE_PATCH, entry=DEMO_ENTRY + f"tested = [{tested}]\n")
+    result = invoke("series", "--patches", str(root), "--json", "-")
+    assert result.exit_code == 0, result.output
+    (demo,) = json.loads(result.stdout)["series"]
+    assert [t["line"] for t in demo["tested"]] == ["main", "release", "release", "dev", "alpha", "feature", "main"]
+    assert demo["lines"] == ["main", "release", "dev", "alpha", "feature"]
+    wrong = write_catalogue(tmp_path / "wrong", ONE_PATCH, entry=DEMO_ENTRY + 'tested = [{ ref = "v1", line = "nightly" }]\n')
+    result = invoke("series", "--patches", str(wrong))
+    assert result.exit_code == 2
+    assert "line 'nightly' is not one of main, release, dev, alpha, feature" in result.output
+
+
 def test_builtin_series_carry_the_replacement_source_exactly():
     """Editing the replacement source without `megaport regenerate` must fail here."""
     result = invoke("regenerate", "--check")

@@ -8,16 +8,13 @@ heads, and main with two of its first-parent commits. Those the clone lacks are 
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from support.agreement import agreements
 from support.porting import assert_clean, port
-
-from megaport.cli import main
 
 pytestmark = pytest.mark.fullclone
 
@@ -27,34 +24,21 @@ REFS = (
 )
 
 
-def present(clone: Path) -> list[str]:
-    """The refs of REFS that the clone has, as shas (neither command takes ``dev~40``)."""
-    found = (subprocess.run(["git", "-C", str(clone), "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
-                            capture_output=True, text=True) for ref in REFS)
-    return [run.stdout.strip() for run in found if run.returncode == 0]
+def present(clone: Path) -> list[tuple[str, str]]:
+    """(name, sha) of the refs of REFS that the clone has (neither command takes ``dev~40``)."""
+    found = ((ref, subprocess.run(["git", "-C", str(clone), "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
+                                  capture_output=True, text=True)) for ref in REFS)
+    return [(ref, run.stdout.strip()) for ref, run in found if run.returncode == 0]
 
 
 def test_drift_and_apply_agree_on_upstreams_other_lines(full_clone, tmp_path):
     refs = present(full_clone)
     assert len(refs) >= 6
-    args = ["drift", "--repo", str(full_clone), "--format", "json"] + [a for r in refs for a in ("--ref", r)]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code in (1, 2), result.output
-    drifted = {entry["ref"]: entry for entry in json.loads(result.stdout)["refs"]}
-    disagreements = []
-    for ref in refs:
-        code, report, output = port(full_clone, ref, tmp_path / ref[:12], "--dry-run")
-        entry = drifted[ref]
-        drift_ports = entry["refusal"] is None and entry["status"] not in ("conflict", "missing")
-        if (code == 0) != drift_ports:
-            disagreements.append(f"{ref}: apply exit {code}, drift {entry['status']} ({entry['refusal']})")
-        elif code == 0 and report["series"] != entry["series"]:
-            disagreements.append(f"{ref}: apply chose {report['series']}, drift {entry['series']}")
-        elif code != 0 and report.get("error") != entry["refusal"]:
-            disagreements.append(f"{ref}: apply says {report.get('error')!r}, drift {entry['refusal']!r}")
-        elif code != 0:
-            check_fuzz_hint(full_clone, ref, report["error"], tmp_path)
+    found = agreements(full_clone, refs, tmp_path)
+    disagreements = [f"{a.ref}: {a.problem}" for a in found if a.problem]
     assert not disagreements, "\n".join(disagreements)
+    for refused in (a for a in found if not a.ports):
+        check_fuzz_hint(full_clone, refused.sha, refused.apply_error, tmp_path)
 
 
 def check_fuzz_hint(clone: Path, ref: str, error: str, tmp_path: Path) -> None:
@@ -67,10 +51,15 @@ def check_fuzz_hint(clone: Path, ref: str, error: str, tmp_path: Path) -> None:
     assert code == 0 and report["series"] == hint.group(2), output
 
 
-@pytest.mark.parametrize("ref", ["26.04-alpha", "core_r0.19.0", "main"])
-def test_other_lines_port_with_no_fuzz(full_clone, tmp_path, ref):
+@pytest.mark.parametrize("ref, series", [
+    ("26.04-alpha", "core-0.17"), ("core_r0.19.0", "core-0.18-main"), ("main", "core-0.18-main"),
+    ("dev", "core-0.19-dev"),
+])
+def test_other_lines_port_with_no_fuzz(full_clone, tmp_path, ref, series):
     """26.04-alpha sorted common_config.py's imports; the RCCL patch's import is anchored at
-    DistributedInitConfig, not in that list, so it ports as release heads and main do."""
+    DistributedInitConfig, not in that list, so it ports as release heads and main do. dev
+    rewrote the RoPE-fusion check core-0.18-main changes: core-0.19-dev is its series."""
     code, report, output = port(full_clone, ref, tmp_path / "ported", "--dry-run")
     assert code == 0, output
+    assert report["series"] == series
     assert_clean(report)

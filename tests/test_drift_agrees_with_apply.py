@@ -25,10 +25,12 @@ Upstream (megatron/core 0.14.0, a full tree: core, training and legacy) and two 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.agreement import agreements
 from support.gitrepos import commit, git, make_repo
 
 from megaport.cli import main
@@ -164,6 +166,18 @@ def test_the_refs_hold_the_cases_where_drift_and_apply_could_disagree(world, tmp
     # Hunks that land with fuzz or a merge at drift's own --fuzz 2; apply at --fuzz 0 refuses both.
     assert drift_verdict(world, "fuzz", 0)[1]["patches"][0]["status"] == "fuzz"
     assert drift_verdict(world, "merge", 0)[1]["patches"][0]["status"] == "3way"
+
+
+def test_tools_drift_agreement_compares_the_same_way(world, tmp_path):
+    """tools/drift-agreement's comparison (support.agreement) finds every ref agreeing here, apply
+    refusing the three refs it refuses above, and sees a disagreement as one."""
+    repo, catalogue = world
+    found = agreements(repo, [(ref, git(repo, "rev-parse", ref)) for ref in REFS], tmp_path, patches=catalogue)
+    assert [(a.ref, a.problem) for a in found] == [(ref, "") for ref in REFS]
+    assert {a.ref for a in found if not a.ports} == {"fuzz", "skip", "merge"}
+    ported = next(a for a in found if a.ref == "offset")
+    assert replace(ported, drift_exit=2).problem == "apply exit 0, drift exit 2 (no refusal)"
+    assert replace(ported, drift_series="old").problem == "apply chose new, drift old"
 
 
 def test_a_refusal_names_the_fuzz_that_would_port_the_tree(world, tmp_path):

@@ -38,13 +38,35 @@ PATCHES_ENV = "MEGAPORT_PATCHES"
 UPSTREAM_REPOSITORY = "NVIDIA/Megatron-LM"
 
 
+# The lines of upstream development a tested ref can be on, in the order ``megaport series`` lists
+# them: main's first-parent history (its tags included), release branches (core_r*, their core_v*
+# tags), the dev branch, dated alpha/beta branches (26.04-alpha), and feature branches (dsv4; a
+# commit merged into main off its first-parent line, such as InstructRetro).
+LINES = ("main", "release", "dev", "alpha", "feature")
+
+
+def line_of(ref: str) -> str:
+    """The line a ref's name says it is on, for a ``tested`` entry that does not name its line
+    (a tag on main's first-parent line, such as v2.0 or 23.04, has to)."""
+    if ref in ("main", "master"):
+        return "main"
+    if ref.startswith(("core_v", "core_r")):
+        return "release"
+    if ref == "dev":
+        return "dev"
+    if ref.endswith(("-alpha", "-beta")):
+        return "alpha"
+    return "feature"
+
+
 @dataclass(frozen=True)
 class TestedRef:
-    """An upstream ref a series is known to apply to with no fuzz."""
+    """An upstream ref a series is known to apply to with no fuzz, and the line it is on."""
 
     ref: str
     sha: str
     date: str | None = None
+    line: str = "main"
 
     @property
     def label(self) -> str:
@@ -137,6 +159,11 @@ class Series:
     @property
     def is_upstream(self) -> bool:
         return self.repository == UPSTREAM_REPOSITORY
+
+    @property
+    def lines(self) -> tuple[str, ...]:
+        """The lines its tested refs are on, in :data:`LINES` order."""
+        return tuple(line for line in LINES if any(t.line == line for t in self.tested))
 
     @property
     def tested_range(self) -> str:
@@ -292,10 +319,7 @@ def _series_from_entry(directory: Path, path: Path, entry: dict, ports: tuple[Po
             else entry.get("transformer_engine_imports", "guarded") != "unguarded"
         ),
         optional=tuple(entry.get("optional", ())),
-        tested=tuple(
-            TestedRef(ref=str(t["ref"]), sha=str(t.get("sha", "")), date=t.get("date"))
-            for t in entry.get("tested", ())
-        ),
+        tested=tuple(_tested_ref(path, name, t) for t in entry.get("tested", ())),
         recognise=Recognise(
             core_min=parse_version(version["min"]) if "min" in version else None,
             core_max=parse_version(version["max"]) if "max" in version else None,
@@ -308,6 +332,16 @@ def _series_from_entry(directory: Path, path: Path, entry: dict, ports: tuple[Po
         repository=_repository(path, f"series '{name}'", entry.get("repository", UPSTREAM_REPOSITORY)),
         port=port.name if port else None,
     )
+
+
+def _tested_ref(path: Path, name: str, entry: dict) -> TestedRef:
+    ref = str(entry["ref"])
+    line = str(entry.get("line") or line_of(ref))
+    if line not in LINES:
+        raise MegaportError(
+            f"{path}: series '{name}': tested ref {ref}: line {line!r} is not one of {', '.join(LINES)}", exit_code=2
+        )
+    return TestedRef(ref=ref, sha=str(entry.get("sha", "")), date=entry.get("date"), line=line)
 
 
 def _port_of(path: Path, name: str, entry: dict, ports: tuple[PortVariant, ...]) -> PortVariant | None:

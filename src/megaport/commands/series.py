@@ -11,11 +11,11 @@ def list_series(console, *, patches: str | None = None, json_file: str | None = 
 
     catalogue = load_catalogue(patches)
     table = Table(title=f"series in {catalogue.root}", title_justify="left", show_edge=False)
-    for column in ("series", "era", "repository", "tested against", "port", "patches", "summary"):
+    for column in ("series", "era", "repository", "tested against", "lines", "port", "patches", "summary"):
         table.add_column(column)
     for series in catalogue.series:
-        table.add_row(series.name, series.era, series.repository, series.tested_range, series.port or "-",
-                      str(len(series.patches)), series.summary)
+        table.add_row(series.name, series.era, series.repository, series.tested_range, ", ".join(series.lines),
+                      series.port or "-", str(len(series.patches)), series.summary)
     console.print(table)
     write_json(
         json_file,
@@ -27,7 +27,8 @@ def list_series(console, *, patches: str | None = None, json_file: str | None = 
                     "era": s.era,
                     "repository": s.repository,
                     "summary": s.summary,
-                    "tested": [{"ref": t.ref, "sha": t.sha} for t in s.tested],
+                    "tested": [{"ref": t.ref, "sha": t.sha, "line": t.line} for t in s.tested],
+                    "lines": list(s.lines),
                     "port": s.port,
                     "patches": [p.name for p in s.patches],
                 }
