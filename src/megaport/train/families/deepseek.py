@@ -82,5 +82,8 @@ FAMILY = Family(
     # 0.9 (every layer MoE: its parser has no --moe-layer-freq) drifted 2.4 % apart in loss and 67 %
     # in grad norm from step 5; at 1e-3 4.1e-4 / 2.2e-2, loss -27 %
     parity_learning_rate=1e-3,
+    # at 1e-3 its loss fell 6.4 % in 30 iterations on core 0.12's indexed data (TP2 + SP and one
+    # rank 1.4e-4 apart): the layouts are compared over 50, as Mixtral's
+    layout_steps=50,
     layout_refused=_one_head_split,
 )
