@@ -23,6 +23,7 @@ PORT_FILES = ("megatron/core/rocm_port/apex_substitutes.py", "megatron/rocm_port
 OPTIMIZER_FILES = ("megatron/core/optimizer/optimizer.py", "megatron/optimizer/optimizer.py")
 NORM_FILES = ("megatron/core/rocm_port/te_features.py", "megatron/rocm_port/te_features.py")
 CP_FILES = ("megatron/core/rocm_port/context_parallel.py",)
+KEYS_FILES = ("megatron/core/rocm_port/checkpoint_keys.py",)
 FAULTS = {
     "grad-norm": Fault(PORT_FILES, "    total = torch.linalg.vector_norm(norms).reshape(1)\n",
                        "    total = torch.linalg.vector_norm(norms).reshape(1) * 100\n",
@@ -45,10 +46,16 @@ LAYOUT_FAULTS = {
                                           "log-sum-exp")),
 }
 
+#: faults in the port's checkpoint loading, which a load of another spelling's checkpoint meets
+CHECKPOINT_FAULTS = {
+    "te-keys-dropped": Fault(KEYS_FILES, "    for row in SPELLINGS:\n", "    for row in ():\n",
+                             "the port's table of TE's and the local spec's key spellings is dropped"),
+}
+
 
 def plant(tree: Path, name: str) -> Path:
     """Plant fault ``name`` in ``tree``; the file changed."""
-    fault = FAULTS[name] if name in FAULTS else LAYOUT_FAULTS[name][1]
+    fault = {**FAULTS, **CHECKPOINT_FAULTS}.get(name) or LAYOUT_FAULTS[name][1]
     path = next(tree / f for f in fault.files if (tree / f).is_file())
     text = path.read_text(encoding="utf-8")
     assert fault.old in text, f"{path} no longer has {fault.old!r}: update tests/support/faults.py"
