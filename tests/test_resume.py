@@ -122,3 +122,93 @@ def test_the_report_row_gives_the_layouts_figures_and_one_ranks():
     compared["one_rank"] = dict(compared, max_relative_difference=0.02)
     row = resume.figures(compared)
     assert row.startswith("loss 0.0e+00") and "; one rank loss 2.0e-02" in row
+
+
+# -- a checkpoint that cannot load: one line naming it, never a fresh start -----------------------
+def _torch_dist_checkpoint(load, iteration=2):
+    """A ``torch_dist``-format checkpoint folder as upstream writes it (torch.distributed.checkpoint), tracked."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    folder = load / f"iter_{iteration:07d}"
+    dcp.save({"weight": torch.randn(64, 64), "bias": torch.randn(64)}, checkpoint_id=str(folder), no_dist=True)
+    (load / resume_guard.TRACKER).write_text(str(iteration))
+    return folder
+
+
+def _torch_checkpoint(load, iteration=2):
+    """A ``torch``-format checkpoint (mp_rank_00/model_optim_rng.pt), tracked."""
+    torch = pytest.importorskip("torch")
+    path = load / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    torch.save({"model": {"weight": torch.randn(64, 64)}, "iteration": iteration}, path)
+    (load / resume_guard.TRACKER).write_text(str(iteration))
+    return path
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+def _problem(load, *more):
+    return resume_guard.checkpoint_problem(["--load", str(load), "--train-iters", "30", *more])
+
+
+def test_a_whole_checkpoint_or_none_to_resume_is_no_problem(tmp_path):
+    assert _problem(tmp_path / "absent") is None and _problem(tmp_path) is None  # a job's first run
+    _torch_dist_checkpoint(tmp_path / "dist")
+    _torch_checkpoint(tmp_path / "torch")
+    assert _problem(tmp_path / "dist") is None and _problem(tmp_path / "torch") is None
+    assert resume_guard.checkpoint_problem(["--train-iters", "30"]) is None
+
+
+def test_a_truncated_distcp_file_is_named(tmp_path):
+    folder = _torch_dist_checkpoint(tmp_path)
+    shard = next(folder.glob("*.distcp"))
+    _truncate(shard)
+    problem = _problem(tmp_path)
+    assert problem.startswith("> megaport: error: the run was given --load") and "\n" not in problem
+    assert f"{shard} is truncated" in problem
+    shard.unlink()
+    assert f"{shard} is missing" in _problem(tmp_path)
+
+
+def test_a_truncated_or_empty_torch_file_is_named(tmp_path):
+    path = _torch_checkpoint(tmp_path)
+    _truncate(path)
+    assert f"{path} is truncated or corrupt" in _problem(tmp_path)
+    path.write_bytes(b"")
+    assert f"{path} is empty" in _problem(tmp_path)
+
+
+def test_an_unreadable_dist_metadata_is_named(tmp_path):
+    folder = _torch_dist_checkpoint(tmp_path)
+    _truncate(folder / ".metadata")
+    assert f"{folder / '.metadata'} is unreadable" in _problem(tmp_path)
+
+
+def test_a_tracker_naming_a_missing_checkpoint_or_no_iteration_is_named(tmp_path):
+    _torch_dist_checkpoint(tmp_path)
+    tracker = tmp_path / resume_guard.TRACKER
+    tracker.write_text("4")
+    assert f"{tracker} names iteration 4, but its checkpoint {tmp_path / 'iter_0000004'} does not exist" in _problem(tmp_path)
+    tracker.write_text("")  # a tracker write cut short
+    assert f"{tracker} holds '', not an iteration" in _problem(tmp_path)
+    tracker.write_text("2")
+    assert "--ckpt-step 5, but its checkpoint" in _problem(tmp_path, "--ckpt-step", "5")
+    (tmp_path / "global_step7").mkdir()  # Megatron-DeepSpeed's engine names its folders so
+    tracker.write_text("7")
+    assert _problem(tmp_path) is None
+
+
+def test_the_launcher_refuses_a_truncated_checkpoint_before_the_script_runs(tmp_path):
+    pytest.importorskip("torch")
+    folder = _torch_dist_checkpoint(tmp_path / "ckpt")
+    _truncate(next(folder.glob("*.distcp")))
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("print('started afresh')\n")
+    done = subprocess.run([sys.executable, "-m", "megaport.train.launch", str(script), "--load", str(tmp_path / "ckpt"),
+                           "--train-iters", "30"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "started afresh" not in done.stdout
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [_problem(tmp_path / "ckpt")]

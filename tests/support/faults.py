@@ -23,6 +23,9 @@ PORT_FILES = ("megatron/core/rocm_port/apex_substitutes.py", "megatron/rocm_port
 OPTIMIZER_FILES = ("megatron/core/optimizer/optimizer.py", "megatron/optimizer/optimizer.py")
 NORM_FILES = ("megatron/core/rocm_port/te_features.py", "megatron/rocm_port/te_features.py")
 CP_FILES = ("megatron/core/rocm_port/context_parallel.py",)
+KEYS_FILES = ("megatron/core/rocm_port/checkpoint_keys.py",)
+CHECKPOINTING_FILES = ("megatron/training/checkpointing.py",)
+TRAINING_FILES = ("megatron/training/training.py",)
 FAULTS = {
     "grad-norm": Fault(PORT_FILES, "    total = torch.linalg.vector_norm(norms).reshape(1)\n",
                        "    total = torch.linalg.vector_norm(norms).reshape(1) * 100\n",
@@ -45,10 +48,29 @@ LAYOUT_FAULTS = {
                                           "log-sum-exp")),
 }
 
+#: faults in the port's checkpoint loading, which a load of another spelling's checkpoint meets
+CHECKPOINT_FAULTS = {
+    "te-keys-dropped": Fault(KEYS_FILES, "    for row in SPELLINGS:\n", "    for row in ():\n",
+                             "the port's table of TE's and the local spec's key spellings is dropped"),
+}
+
+#: faults in upstream main's resume, which only a run that saves and resumes meets (the resume check)
+RESUME_FAULTS = {
+    "optimizer-state-dropped": Fault(
+        CHECKPOINTING_FILES, "                optimizer.load_state_dict(state_dict['optimizer'])\n",
+        "                optimizer.load_state_dict(state_dict['optimizer']); [o.optimizer.state.clear() for o in "
+        "getattr(optimizer, 'chained_optimizers', [optimizer])]\n",
+        "the resumed optimizer's Adam state (moments and step) is dropped after the checkpoint loads"),
+    "data-iterator-restarted": Fault(
+        TRAINING_FILES, "build_pretraining_data_loader(train_ds, consumed_train_samples_in_current_phase)",
+        "build_pretraining_data_loader(train_ds, 0)",
+        "the resumed run's training data starts again from the first sample"),
+}
+
 
 def plant(tree: Path, name: str) -> Path:
     """Plant fault ``name`` in ``tree``; the file changed."""
-    fault = FAULTS[name] if name in FAULTS else LAYOUT_FAULTS[name][1]
+    fault = {**FAULTS, **CHECKPOINT_FAULTS, **RESUME_FAULTS}.get(name) or LAYOUT_FAULTS[name][1]
     path = next(tree / f for f in fault.files if (tree / f).is_file())
     text = path.read_text(encoding="utf-8")
     assert fault.old in text, f"{path} no longer has {fault.old!r}: update tests/support/faults.py"

@@ -10,7 +10,8 @@ whose tokenizer comes from the Hugging Face hub gets its vocabulary in one order
 When the script returns, one line reports the peak memory: ``torch.cuda.max_memory_allocated()`` on
 a GPU (upstream's own memory report comes after the first iteration, before fp16's skipped steps
 end and the optimizer's state exists), the process's peak RSS on the CPU. A run given ``--load`` that was asked to train and took no
-optimizer step exits 1 with one line (:mod:`megaport.train.resume_guard`), never 0.
+optimizer step exits 1 with one line (:mod:`megaport.train.resume_guard`), never 0; so does one whose
+checkpoint to resume from is truncated, corrupt or missing, before the script runs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
         vocab_order.install()
     if listing:
         _report_options()
+    elif problem := resume_guard.checkpoint_problem(argv[1:]):  # never a silent fresh start
+        print(problem, file=sys.stderr, flush=True)
+        return 1
     steps = resume_guard.count_steps()
     script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]

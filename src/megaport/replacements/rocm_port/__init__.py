@@ -22,7 +22,8 @@ is imported while ``megatron.core`` is still initialising.
 One module per concern: ``era`` (the era constants), ``say`` (its one-line messages),
 ``blocker``, ``target_stack`` (today's torch, NumPy and DeepSpeed), ``te_absent``
 (TransformerEngine's layers and specs), ``te_features`` (norms, MoE, MLA, FP8),
-``optimizer_state`` (torch's Adam step for the distributed optimizer), ``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``apex_substitutes``, ``distributed`` and ``hooks``
+``optimizer_state`` (torch's Adam step for the distributed optimizer), ``checkpoint_keys`` (TE's and the
+local spec's key spellings), ``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``apex_substitutes``, ``distributed`` and ``hooks``
 (what importing the port installs).  Upstream imports every name from the package
 itself, which re-exports them; the modules import each other relatively, so the
 package works at either place a series puts it.
@@ -56,6 +57,7 @@ from .attention import (
     sdpa_enabled,
 )
 from .blocker import blocked_modules_loaded, install_import_blocker, uninstall_import_blocker
+from .checkpoint_keys import SPELLINGS, Spelling, respell
 from .context_parallel import (
     CP_COMM_TYPES,
     context_parallel_attention,
@@ -95,6 +97,9 @@ __all__ = [
     "say_once",
     "local_spec_without_transformer_engine",
     "switch_off_rope_fusion",
+    "SPELLINGS",
+    "Spelling",
+    "respell",
     "MASKED_VALUE",
     "ScaledUpperTriangMaskedSoftmax",
     "ScaledMaskedSoftmax",

@@ -11,6 +11,7 @@ import sys
 from . import te_absent
 from .attention import _sdpa_in_dot_product_attention, _sdpa_in_legacy_core_attention
 from .blocker import install_import_blocker
+from .checkpoint_keys import _checkpoints_read_either_spelling
 from .era import TRANSFORMER_ENGINE_IMPORTS_GUARDED
 from .optimizer_state import (
     _checkpoint_step_per_parameter,
@@ -96,6 +97,8 @@ _AFTER_IMPORT_ATTENTION = {
 # What the port serves in an upstream module right after it loads, when TransformerEngine is absent.
 _AFTER_IMPORT_WITHOUT_TE = {
     "megatron.core.fp8_utils": _no_fp8_shard_to_quantize_without_te,
+    # the local layers built in TE's place read a checkpoint written with TE's key spellings too
+    "megatron.core.dist_checkpointing.serialization": _checkpoints_read_either_spelling,
     "megatron.core.optimizer.distrib_optimizer": (_step_before_the_first_step, _checkpoint_step_per_parameter,
                                                     _param_state_without_step, _model_space_state_without_step),
     "megatron.core.transformer.transformer_config": _rope_fusion_off_before_checks,
