@@ -52,10 +52,11 @@ class _UpstreamDistributedOptimizer:
                 value.copy_(loaded[key])
 
 
-def _module(have_apex_or_te: bool = False):
+def _module(have_apex_or_te: bool = False, upstream=None):
+    """The distrib_optimizer module with ``upstream``'s DistributedOptimizer (main's by default)."""
     module = types.ModuleType(MODULE)
     module.HAVE_APEX_OR_TE = have_apex_or_te
-    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamDistributedOptimizer,), {})
+    module.DistributedOptimizer = type("DistributedOptimizer", (upstream or _UpstreamDistributedOptimizer,), {})
     return module
 
 
@@ -164,21 +165,15 @@ class _UpstreamDpReshardable(_UpstreamDistributedOptimizer):
                 dst_tensors[key].copy_(tensors[key])
 
 
-def _dp_module():
-    module = _module()
-    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamDpReshardable,), {})
-    return module
-
-
 def test_upstream_2025_11_cannot_save_the_parameter_state():
-    optimizer = _dp_module().DistributedOptimizer(_params())
+    optimizer = _module(upstream=_UpstreamDpReshardable).DistributedOptimizer(_params())
     _train(optimizer.optimizer, 1)
     with pytest.raises(AssertionError, match=r"torch.Size\(\[\]\)"):
         optimizer.sharded_param_state_dp_reshardable()
 
 
 def test_the_parameter_state_leaves_the_step_to_the_param_groups(rp, capsys):
-    module = _dp_module()
+    module = _module(upstream=_UpstreamDpReshardable)
     for step in rp.after_import_steps(MODULE):
         step(module)
     optimizer = module.DistributedOptimizer(_params())
@@ -248,14 +243,8 @@ class _UpstreamModelSpace(_UpstreamDistributedOptimizer):
                     dst_tensors[key].copy_(state_dict[index][key])
 
 
-def _model_space_module():
-    module = _module()
-    module.DistributedOptimizer = type("DistributedOptimizer", (_UpstreamModelSpace,), {})
-    return module
-
-
 def test_upstream_core_0_9_cannot_save_the_model_space_state():
-    optimizer = _model_space_module().DistributedOptimizer(_params())
+    optimizer = _module(upstream=_UpstreamModelSpace).DistributedOptimizer(_params())
     _train(optimizer.optimizer, 1)
     with pytest.raises(ValueError, match="Data should be 1D"):
         optimizer.sharded_param_state_fs_model_space()
@@ -263,7 +252,7 @@ def test_upstream_core_0_9_cannot_save_the_model_space_state():
 
 def test_the_model_space_state_leaves_the_step_to_the_param_groups(rp, capsys):
     rp.say._SAID.clear()
-    module = _model_space_module()
+    module = _module(upstream=_UpstreamModelSpace)
     for step in rp.after_import_steps(MODULE):
         step(module)
     optimizer = module.DistributedOptimizer(_params())
