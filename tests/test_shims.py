@@ -372,6 +372,19 @@ def test_the_distributed_optimizers_fp8_shard_call_without_te_is_answered_and_pa
     assert stdout.split() == ["None", "refused"]
 
 
+def test_the_fp8_shard_shim_answers_where_te_s_import_stub_made_have_te_true(tmp_path):
+    """core_v0.12.3's baseline needs the TE stub (its checkpoint load asks TE's version); fp8_utils
+    then says HAVE_TE and still takes the raising fallback (the stub's version fits no TE branch)."""
+    files = {**_FP8_UTILS_2025_04, "megatron/core/fp8_utils.py": _FP8_UTILS_2025_04[
+        "megatron/core/fp8_utils.py"].replace("HAVE_TE = False", "HAVE_TE = True  # import transformer_engine: the stub")}
+    tree = _fake_upstream(tmp_path / "tree", files)
+    stdout, _ = _run_baseline_process("""
+        from megatron.core.fp8_utils import quantize_param_shard
+        print(quantize_param_shard([], [], [], None))
+        """, ["transformer-engine", "fp8-shard-without-te"], tmp_path, pythonpath=[tree])
+    assert stdout.split()[-1] == "None"
+
+
 # Megatron-DeepSpeed's T5Model from 50b32515 (MoE support) to 712057c8, in the shape its run fails
 # in: a language model returning one MoE loss per layer after its outputs.
 _FORK_T5_MOE_LOSSES = {
