@@ -315,7 +315,10 @@ def _gloo_send_buffers(patch: Patch, torch) -> None:
     On a GPU the caching allocator holds the freed block for the NCCL stream until the send is done;
     on the CPU the memory went back at once and gloo sent what reused it: core 0.7's interleaved
     pipeline (pp2-vpp, bf16) got NaN grad norms from iteration 1, ported and unported alike, and
-    held to 1.174 once each send's storage lived until its work completed."""
+    held to 1.174 once each send's storage lived until its work completed. A send inside
+    ``batch_isend_irecv`` has no work of its own (the batch's works are returned together): its
+    buffer is kept only until the next send, which upstream's batched path (PP > 2, waited at once)
+    does not outrun."""
     dist = torch.distributed
     isend = dist.distributed_c10d.isend
     pending: list = []

@@ -152,12 +152,16 @@ def checkpoint_problem(argv: list) -> str | None:
         return None
     folder, problem = _checkpoint_folder(load, argv)
     if problem is None and folder is not None:
-        if os.path.isfile(os.path.join(folder, ".metadata")):
-            problem = _distcp_problem(folder)
-        for root, _, files in sorted(os.walk(folder)):
-            for name in sorted(files):
-                if problem is None and name.endswith(".pt"):
-                    problem = _torch_file_problem(os.path.join(root, name))
+        problem = _folder_problem(folder)
     if problem is None:
         return None
     return f"> megaport: error: the run was given --load {load}, but its checkpoint cannot load: {problem}"
+
+
+def _folder_problem(folder: str) -> str | None:
+    """The first problem of a checkpoint folder: its ``torch_dist`` files, then each ``.pt`` file."""
+    if os.path.isfile(os.path.join(folder, ".metadata")) and (problem := _distcp_problem(folder)):
+        return problem
+    files = (os.path.join(root, name) for root, _, names in sorted(os.walk(folder)) for name in sorted(names)
+             if name.endswith(".pt"))
+    return next((problem for path in files if (problem := _torch_file_problem(path))), None)
