@@ -23,7 +23,8 @@ One module per concern: ``era`` (the era constants), ``say`` (its one-line messa
 ``blocker``, ``target_stack`` (today's torch, NumPy and DeepSpeed), ``te_absent``
 (TransformerEngine's layers and specs), ``te_features`` (norms, MoE, MLA, FP8),
 ``optimizer_state`` (torch's Adam step for the distributed optimizer), ``checkpoint_keys`` (TE's and the
-local spec's key spellings), ``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``apex_substitutes``, ``distributed`` and ``hooks``
+local spec's key spellings), ``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``upstream_fixes`` (upstream's own bugs in a window),
+``apex_substitutes``, ``distributed`` and ``hooks``
 (what importing the port installs).  Upstream imports every name from the package
 itself, which re-exports them; the modules import each other relatively, so the
 package works at either place a series puts it.

@@ -40,6 +40,7 @@ from .te_absent import (
     _t5_masks_for_local_layers,
     _te_layer_names_declared,
 )
+from .upstream_fixes import _no_group_of_no_ranks
 from .te_features import (
     _TE_NONE_NAMES,
     _TE_NORM_USERS,
@@ -76,6 +77,11 @@ _AFTER_IMPORT_TARGET_STACK = {
         "megatron.core.dist_checkpointing.serialization", "megatron.core.dist_checkpointing.strategies.common",
         "megatron.training.checkpointing",
         "megatron.checkpointing")},
+}
+
+# Upstream's own bugs in a window of its history, fixed on every machine, ported or not (.upstream_fixes).
+_AFTER_IMPORT_UPSTREAM_FIXES = {
+    "megatron.core.parallel_state": _no_group_of_no_ranks,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.
@@ -132,9 +138,10 @@ _BEFORE_IMPORT_WITHOUT_TE = {
     "megatron.core.models.bert.bert_layer_specs": _te_layer_names_declared,
 }
 
-#: The after-import tables, grouped by what they serve; the first three whatever is installed.
+#: The after-import tables, grouped by what they serve; all but the last whatever is installed.
 AFTER_IMPORT_TABLES = (
     ("today's torch and NumPy", _AFTER_IMPORT_TARGET_STACK),
+    ("upstream's own bugs in a window", _AFTER_IMPORT_UPSTREAM_FIXES),
     ("DeepSpeed", _AFTER_IMPORT_DEEPSPEED),
     ("core attention through SDPA", _AFTER_IMPORT_ATTENTION),
     ("TransformerEngine absent", _AFTER_IMPORT_WITHOUT_TE),

@@ -1,0 +1,53 @@
+"""Upstream's own bugs in a window of its history that stop a layout on every machine, ported or
+not, fixed where the port loads anyway (an after-import step, :mod:`.hooks`), so one fix reaches
+every commit of the window whatever series ports it. Each step names the commits that opened and
+closed its window; the unported baseline gets the same fix, written apart, as a listed shim."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .say import say_once
+
+_NO_RANKS = ("parallel_state asked for a process group of no ranks (upstream 9208adbdc7 ... e43abe7dfa, context "
+             "parallelism > 1): none is made, every rank is outside it, as upstream's fix stopped asking for it")
+
+
+def _ranks_of(args, kwargs):
+    return kwargs["ranks"] if "ranks" in kwargs else (args[0] if args else None)
+
+
+def _no_group_of_no_ranks(module) -> None:
+    """Upstream from 9208adbdc7 (2024-03-27) until e43abe7dfa reached main (2024-04-12; core 0.6.0
+    has it): with context parallelism > 1, ``initialize_model_parallel`` builds expert groups as
+    ``range(start + k, end, tp * cp)`` for every ``k < tp * cp``, and the ranges for ``k >= tp`` are
+    empty. torch takes an empty rank list for the default group and fails to build it
+    (``TypeError: ProcessGroup(store, None, 0)``), so CP2 never started. A group of no ranks has no
+    member: each rank is told it is outside (torch's ``GroupMember.NON_GROUP_MEMBER``) and nothing
+    is communicated, which at EP 1 gives exactly the groups of upstream's fix."""
+    initialize = getattr(module, "initialize_model_parallel", None)
+    if initialize is None or getattr(initialize, "__rocm_port_no_empty_groups__", False):
+        return
+    dist = torch.distributed
+
+    @functools.wraps(initialize)
+    def initialize_model_parallel(*args, **kwargs):
+        new_group = dist.new_group
+
+        def new_group_unless_empty(*group_args, **group_kwargs):
+            ranks = _ranks_of(group_args, group_kwargs)
+            if ranks is not None and len(ranks) == 0:
+                say_once(_NO_RANKS)
+                return dist.GroupMember.NON_GROUP_MEMBER
+            return new_group(*group_args, **group_kwargs)
+
+        dist.new_group = new_group_unless_empty
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            dist.new_group = new_group
+
+    initialize_model_parallel.__rocm_port_no_empty_groups__ = True
+    module.initialize_model_parallel = initialize_model_parallel

@@ -1,0 +1,95 @@
+"""Upstream's own bugs in a window, fixed by the port's after-import steps and, written apart, by a
+baseline shim: each checked against real torch.distributed on gloo ranks, with and without the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import socket
+
+import torch
+
+from megaport.train import failure
+from megaport.train.shims import registry
+from tests.support import port as port_support
+
+WORLD = 2
+
+#: The shape of upstream 9208adbdc7 … e43abe7dfa's expert groups, at CP2, TP1, EP1 on two ranks.
+PARALLEL_STATE = '''
+import torch
+
+
+def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2, world_size=2):
+    rank, groups = torch.distributed.get_rank(), []
+    for start in range(world_size):
+        end = start + tensor_model_parallel_size
+        for k in range(tensor_model_parallel_size * context_parallel_size):
+            ranks = range(start + k, end, tensor_model_parallel_size * context_parallel_size)
+            group = torch.distributed.new_group(ranks)
+            if rank in ranks:
+                groups.append(group)
+    return groups
+'''
+
+
+def _load_parallel_state(folder: str):
+    spec = importlib.util.spec_from_file_location("parallel_state_under_test", os.path.join(folder, "parallel_state.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank(rank: int, port: int, out_dir: str, fix: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    if fix == "shim":
+        registry.REGISTRY["empty-rank-groups"].install()
+    module = _load_parallel_state(out_dir)
+    if fix == "port":
+        for step in port_support.load().after_import_steps("megatron.core.parallel_state"):
+            step(module)
+    out = {}
+    try:
+        groups = module.initialize_model_parallel()
+        out["groups"] = [torch.distributed.get_process_group_ranks(g) for g in groups]
+        outside = torch.distributed.GroupMember.NON_GROUP_MEMBER
+        out["empty_after"] = torch.distributed.new_group([]) is outside if fix == "shim" else None
+    except TypeError as exc:
+        with open(os.path.join(out_dir, f"{rank}.failure"), "wb") as handle:
+            pickle.dump(failure.from_exception(exc), handle)
+        out["error"] = str(exc).splitlines()[0]
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(out, handle)
+    if "error" not in out:  # rank 0 holds the store: the other rank leaves first
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    os._exit(0)  # a refused group build leaves torch's store half-used: leave without its teardown
+
+
+def _outcomes(tmp_path, fix: str) -> list:
+    (tmp_path / "parallel_state.py").write_text(PARALLEL_STATE)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(_rank, args=(port, str(tmp_path), fix), nprocs=WORLD)
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_the_window_fails_unfixed_on_todays_torch_and_the_shim_answers_that_failure(tmp_path):
+    outcomes = _outcomes(tmp_path, "none")
+    assert all("incompatible constructor arguments" in o.get("error", "") for o in outcomes), outcomes
+    found = pickle.loads((tmp_path / "0.failure").read_bytes())
+    assert registry.pick([found], []) == "empty-rank-groups"
+    assert registry.pick([found], ["empty-rank-groups"]) is None
+
+
+def test_the_port_gives_each_rank_its_own_group_as_upstreams_fix_does(tmp_path):
+    assert [o.get("groups") for o in _outcomes(tmp_path, "port")] == [[[0]], [[1]]]
+
+
+def test_the_shim_written_apart_gives_the_same_groups(tmp_path):
+    outcomes = _outcomes(tmp_path, "shim")
+    assert [o.get("groups") for o in outcomes] == [[[0]], [[1]]]
+    assert [o["empty_after"] for o in outcomes] == [True, True]
