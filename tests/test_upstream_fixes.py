@@ -93,3 +93,63 @@ def test_the_shim_written_apart_gives_the_same_groups(tmp_path):
     outcomes = _outcomes(tmp_path, "shim")
     assert [o.get("groups") for o in outcomes] == [[[0]], [[1]]]
     assert [o["empty_after"] for o in outcomes] == [True, True]
+
+
+class _OverlappedGather:
+    """upstream 2024-04's DistributedOptimizer as far as its forward pre-hook goes: the weights other
+    ranks updated are gathered by the hook (``disable_pre_hook`` forces it), ``gathered`` says whether
+    the model holds them."""
+
+    def __init__(self, events: list):
+        self.remove_pre_hook_handle, self.gathered, self.events = object(), False, events
+
+    def disable_pre_hook(self):
+        assert self.remove_pre_hook_handle is not None
+        self.remove_pre_hook_handle, self.gathered = None, True
+        self.events.append("gathered")
+
+    def enable_pre_hook(self):
+        assert self.remove_pre_hook_handle is None
+        self.remove_pre_hook_handle = object()
+        self.events.append("hook back")
+
+
+def _checkpointing(events: list):
+    import types
+
+    module = types.ModuleType("megatron.training.checkpointing")
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *rest):
+        for one in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            events.append(f"saved {'gathered' if one.gathered else 'stale'} weights at {iteration}")
+
+    module.save_checkpoint = save_checkpoint
+    for step in port_support.load().after_import_steps("megatron.training.checkpointing"):
+        step(module)
+    return module
+
+
+def test_a_save_with_the_gather_pending_gathers_first_and_puts_the_hook_back():
+    events = []
+    optimizer = _OverlappedGather(events)
+    _checkpointing(events).save_checkpoint(15, None, optimizer, None, 0)
+    assert events == ["gathered", "saved gathered weights at 15", "hook back"]
+    assert optimizer.remove_pre_hook_handle is not None
+
+
+def test_each_optimizer_of_a_chained_one_is_gathered_before_the_save():
+    events = []
+    chained = type("Chained", (), {})()
+    chained.chained_optimizers = [_OverlappedGather(events), _OverlappedGather(events)]
+    _checkpointing(events).save_checkpoint(3, None, chained, None)
+    assert events == ["gathered", "gathered", "saved gathered weights at 3", "saved gathered weights at 3",
+                      "hook back", "hook back"]
+
+
+def test_where_upstream_gathered_already_the_save_is_upstreams_alone():
+    events = []
+    optimizer = _OverlappedGather(events)
+    optimizer.disable_pre_hook()  # upstream's own save_checkpoint_and_time, from ac08742c96 on
+    events.clear()
+    _checkpointing(events).save_checkpoint(15, None, optimizer, None)
+    assert events == ["saved gathered weights at 15"] and optimizer.remove_pre_hook_handle is None

@@ -51,3 +51,45 @@ def _no_group_of_no_ranks(module) -> None:
 
     initialize_model_parallel.__rocm_port_no_empty_groups__ = True
     module.initialize_model_parallel = initialize_model_parallel
+
+
+_GATHERED = ("--overlap-param-gather: the weights other ranks updated are gathered before the checkpoint is "
+             "written (upstream's ac08742c96; the checkpoint held them one step old)")
+
+
+def _optimizers_with_pending_gather(optimizer) -> list:
+    """The distributed optimizers in ``optimizer`` (itself, or a chained one's) whose forward
+    pre-hook still has to gather the weights the other data-parallel ranks updated."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o for o in inner if getattr(o, "remove_pre_hook_handle", None) is not None
+            and callable(getattr(o, "disable_pre_hook", None)) and callable(getattr(o, "enable_pre_hook", None))]
+
+
+def _weights_gathered_before_save(module) -> None:
+    """Upstream from 3b417268a2 (2023-11-17) until ac08742c96 reached main (2024-05-04; core 0.6
+    and 0.7.0 have it): with ``--overlap-param-gather`` the distributed optimizer gathers the
+    weights each data-parallel rank updated in the next forward's pre-hook, and ``save_checkpoint``
+    ran before that: the checkpoint held each rank's own shard updated and the rest one step old,
+    so a resumed run left the uninterrupted one at its first iteration (main 2024-04, Llama, DP2:
+    grad norm 14 % apart there). As ac08742c96 does around the save, the gather completes first
+    (``disable_pre_hook``) and the hook is put back after; where upstream already did so, no hook
+    is pending and nothing changes."""
+    save = getattr(module, "save_checkpoint", None)
+    if save is None or getattr(save, "__rocm_port_gathered__", False):
+        return
+
+    @functools.wraps(save)
+    def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
+        pending = _optimizers_with_pending_gather(optimizer)
+        if pending:
+            say_once(_GATHERED)
+        for one in pending:
+            one.disable_pre_hook()
+        try:
+            return save(iteration, model, optimizer, *args, **kwargs)
+        finally:
+            for one in pending:
+                one.enable_pre_hook()
+
+    save_checkpoint.__rocm_port_gathered__ = True
+    module.save_checkpoint = save_checkpoint
