@@ -416,3 +416,58 @@ def test_mixtral_layouts_are_compared_in_fp32_with_sequential_experts_where_grou
     left_out = dict(one_rank.base_run(context, "mixtral", layouts.get("ep2")).left_out)
     assert {"--bf16", "--moe-grouped-gemm"} <= set(left_out)
     assert "--bf16" not in dict(one_rank.base_run(context, "llama", layouts.get("tp2")).left_out)
+
+
+def test_the_way_back_is_planned_for_the_layouts_that_split_weights_where_checkpoints_reshard(tmp_path):
+    flags = ["--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+             "--use-distributed-optimizer", *LLAMA_FLAGS]
+    wanted = [layouts.get(n) for n in ("tp2", "tp2-sp", "pp2", "dp2-distopt")]
+    check = checks.CHECKS["layout-change"]
+    runs, absent = plan.plan(_tree(tmp_path / "dist", flags + ["--ckpt-format"]), wanted, [check])
+    assert [r.id for r in runs] == ["llama-tp2-layout-change", "llama-pp2-layout-change"]
+    assert {a.layout for a in absent} == {"tp2-sp", "dp2-distopt"}
+    runs, absent = plan.plan(_tree(tmp_path / "legacy", flags), wanted, [check])
+    assert runs == [] and "do not reshard" in next(a.why for a in absent if a.layout == "tp2")
+
+
+def _continuations(tmp_path, monkeypatch, back_losses: list) -> tuple:
+    """layout_change.compare with every run faked: the layout's and one rank's runs, then one rank
+    from each one's checkpoint (``back_losses`` from the layout's); (the runs asked for, the comparison)."""
+    from megaport.train.checks import layout_change, one_rank
+    from megaport.train.checks.spec import Context
+
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--ckpt-format", *LLAMA_FLAGS])
+    steps = 30
+    own = [10.0 * (1 - 0.02 * i) for i in range(steps)]
+    trained = []
+
+    def run_pretrain(run, env):
+        trained.append(run)
+        losses = back_losses if run.load and "written-llama-tp2" in run.load else own
+        return {"iterations": list(range(1, steps + 1)), "losses": losses, "grad_norms": [1.0] * steps}
+
+    monkeypatch.setattr(one_rank, "_SHARED", {})
+    monkeypatch.setattr(one_rank, "base_run", lambda context, family, layout: pretrain.Run(
+        tree=context.tree, family=family, sizes=example.Sizes(steps=steps)))
+    monkeypatch.setattr(pretrain, "run_pretrain", run_pretrain)
+    compared = layout_change.compare(Context(tree, None, False, {}, str(tmp_path / "work")), "llama",
+                                     layouts.get("tp2"))
+    return trained, compared
+
+
+def test_one_rank_loads_the_layouts_checkpoint_and_trains_as_from_its_own(tmp_path, monkeypatch):
+    own = [10.0 * (1 - 0.02 * i) for i in range(30)]
+    trained, compared = _continuations(tmp_path, monkeypatch, [x * 1.001 for x in own])
+    assert compared["problems"] == []
+    shared, layout, reference, back, yardstick = trained
+    assert shared.save and not shared.load  # the shared start one rank writes
+    assert layout.layout == "tp2" and layout.save and layout.load == shared.save
+    assert reference.layout == "one-rank" and reference.save and reference.save != layout.save
+    assert (back.layout, back.load, yardstick.layout, yardstick.load) == ("one-rank", layout.save, "one-rank",
+                                                                          reference.save)
+
+
+def test_a_layout_checkpoint_that_loads_another_model_fails_the_way_back(tmp_path, monkeypatch):
+    own = [10.0 * (1 - 0.02 * i) for i in range(30)]
+    _, compared = _continuations(tmp_path, monkeypatch, [x * 1.03 for x in own])
+    assert any("losses differ by up to 3.00%" in p for p in compared["problems"]), compared["problems"]

@@ -300,7 +300,9 @@ def lint(patches, fmt):
 @click.option("--checks", metavar="NAMES",
               help="What each layout is compared with: one-rank (one rank from the same checkpoint), "
                    "upstream (unported upstream in the same layout), tp-replicas (under sequence parallelism, the "
-                   "TP ranks' copies of the norms stay equal); default: all, where they apply.")
+                   "TP ranks' copies of the norms stay equal), resume (saved halfway and resumed = uninterrupted, "
+                   "where the optimizer is sharded), layout-change (tp2/pp2/ep2's checkpoint loads on one rank); "
+                   "default: all, where they apply.")
 @handle_errors
 def verify(tree, device, json_file, junit_file, keyword, strict, patches, models, layouts, checks):
     """Run the smoke suite against a ported TREE's own code (default: current directory).

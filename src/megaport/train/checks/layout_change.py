@@ -1,0 +1,58 @@
+"""A checkpoint written in a layout loads on one rank: the way back of a change of layout.
+
+The one-rank check loads one rank's checkpoint in the layout (1 -> TP2, PP2, EP2); a run that moves
+from 8 GPUs to 1, or resumes on fewer, goes the other way. Here the layout's run saves its weights
+after its last iteration (upstream's distributed format, which reshards), and one rank loads them
+(``--finetune --no-load-optim --no-load-rng``) and trains on; its yardstick is one rank loading what
+one rank's own reference run (same start, data and sizes) saved at the same iteration. The two
+checkpoints are the same model within the one-rank check's tolerances, so the two continuations
+must be too: loss 1 %, grad norm 5 %, over a window where the model still learns. A layout whose
+shards were written or read back wrong (a TP shard misplaced, an expert or stage left out) starts
+one rank from another model and fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megaport.train import parity, pretrain
+from megaport.train.checks import one_rank
+from megaport.train.checks.spec import Check, Context
+from megaport.train.layouts import registry as layouts
+
+
+def _on_one_rank(context: Context, family: str, layout, written: pretrain.Run) -> dict:
+    """One rank's run from the weights ``written`` saved, in ``layout``'s sizes: made once a session."""
+    base = one_rank.base_run(context, family, layout)
+    start = one_rank.shared_start(context, base)
+    run = dataclasses.replace(start.of(base), load=written.save, layout=layouts.ONE_RANK.name)
+    return one_rank.once(one_rank.key(context, base) + ("from", written.save),
+                         lambda: pretrain.run_pretrain(run, context.env))
+
+
+def compare(context: Context, family: str, layout) -> dict:
+    """One rank from the layout's checkpoint against one rank from its own reference's."""
+    written, _ = one_rank.layout_run(context, family, layout)
+    reference, _ = one_rank.layout_run(context, family, layouts.ONE_RANK, sized_for=layout)
+    back, yardstick = (_on_one_rank(context, family, layout, w) for w in (written, reference))
+    compared = parity.loss_parity(back, yardstick)
+    compared.update(against=f"one rank from one rank's checkpoint of the same iteration ({layout.name}'s written "
+                            f"after {written.sizes.steps} iterations, loaded on one rank)",
+                    run={k: back[k] for k in ("command", "notes", "port_log") if k in back})
+    compared["problems"] = parity.parity_problems(compared, min(len(back["losses"]), len(yardstick["losses"])),
+                                                  yardstick="one rank from one rank's checkpoint")
+    return compared
+
+
+def not_for(layout, tree: str) -> str | None:
+    """Why the way back is not checked for ``layout`` on ``tree``."""
+    if layout.name not in one_rank.WRITTEN_BACK:
+        return (f"the way back is checked for the layouts that split the weights one way each "
+                f"({', '.join(one_rank.WRITTEN_BACK)}); the others' checkpoints are written the same way")
+    if not one_rank.reshards(tree):
+        return "this era's checkpoints do not reshard: another layout cannot load them"
+    return None
+
+
+CHECK = Check(name="layout-change", summary="the layout's checkpoint loads on one rank and trains as one rank's own "
+              "(loss 1 %, grad norm 5 %)", compare=compare, not_for=not_for)
