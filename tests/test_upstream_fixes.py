@@ -153,3 +153,32 @@ def test_where_upstream_gathered_already_the_save_is_upstreams_alone():
     events.clear()
     _checkpointing(events).save_checkpoint(15, None, optimizer, None)
     assert events == ["saved gathered weights at 15"] and optimizer.remove_pre_hook_handle is None
+
+
+def test_the_legacy_norm_reads_a_removed_flag_as_off_for_the_call_alone():
+    """core 0.16.1's legacy get_norm reads --apply-layernorm-1p, which its parser no longer has."""
+    import argparse
+    import types
+
+    namespace = argparse.Namespace(normalization="RMSNorm")
+    module = types.ModuleType("megatron.legacy.model.utils")
+    module.get_args = lambda: namespace
+
+    def get_norm(config):
+        if get_norm.args().apply_layernorm_1p:  # upstream's line, unguarded
+            raise NotImplementedError
+        return ("RMSNorm", config)
+
+    get_norm.args = module.get_args
+    module.get_norm = get_norm
+    for step in port_support.load().after_import_steps("megatron.legacy.model.utils"):
+        step(module)
+    assert module.get_norm("config") == ("RMSNorm", "config")
+    assert "apply_layernorm_1p" not in vars(namespace)  # the namespace is left as it was
+    namespace.apply_layernorm_1p = True  # where the parser has it, upstream's own reading holds
+    try:
+        module.get_norm("config")
+    except NotImplementedError:
+        pass
+    else:
+        raise AssertionError("the flag the parser gave was not read")

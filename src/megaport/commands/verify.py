@@ -384,6 +384,26 @@ def _layout_rows(document: dict, state: PortState):
         yield "check not applied", escape(f"{'; '.join(lines)}: {why}")
 
 
+def hf_row(compared: dict) -> str:
+    """One family at one TP size brought in from Hugging Face: the two losses, or why not."""
+    if "error" in compared:
+        return f"did not convert or train: {compared['error']}"
+    verdict = "equals" if not compared.get("problems") else "FAILS: differs from"
+    return (f"loss {compared['loss']:.6f} {verdict} transformers {compared['transformers']}'s "
+            f"{compared['transformers_loss']:.6f} ({compared['relative_difference']:.1e}); converted by upstream's "
+            f"tools/checkpoint/convert.py as {compared['docs']} runs it")
+
+
+def _hf_rows(document: dict, state: PortState):
+    """One row a family and TP size whose Hugging Face weights came in, and one for each that could not."""
+    device = document["device"]
+    for family, per_tp in (device.get("hf_in") or {}).items():
+        for tp, compared in per_tp.items():
+            yield f"hf in {family} {tp}", escape(hf_row(compared))
+    for line in device.get("hf_in_absent") or []:
+        yield "hf in not run", escape(line)
+
+
 def _grouped_by_why(lines: list) -> dict:
     """'check for family in layout: why' lines, one entry a why: why -> [check for family in layout, ...]."""
     grouped: dict = {}
@@ -427,7 +447,7 @@ def _era_rows(document: dict, state: PortState):
 
 
 DEVICE_SECTIONS = (_run_rows, _environment_rows, _backend_rows, _training_rows, _cpu_rows, _family_rows,
-                   _parity_rows, _layout_rows, _era_rows)
+                   _parity_rows, _hf_rows, _layout_rows, _era_rows)
 
 
 def _results_table(tests: list):

@@ -123,7 +123,7 @@ def pytest_report_header(config):
 # Imports first (a broken import explains every later failure), then kernels, substitutes,
 # distributed, training.
 FILE_ORDER = ("test_imports.py", "test_kernels.py", "test_attention.py", "test_apex_substitutes.py",
-              "test_distributed.py", "test_training.py", "test_layouts.py")
+              "test_distributed.py", "test_training.py", "test_hf_in.py", "test_layouts.py")
 
 
 def _file_rank(item) -> int:
@@ -191,6 +191,7 @@ def pytest_collection_modifyitems(config, items):
     lacking, unverified = _era_lacks(smoke, items)
     _deselect(config, items, lacking, "not_in_this_era")
     _deselect(config, items, [item for item in items if item.get_closest_marker("no_layout_runs")], "no_layout_runs")
+    _deselect(config, items, [item for item in items if item.get_closest_marker("no_hf_rows")], "no_hf_rows")
     upstream = smoke.upstream
     smoke.facts["era_from"] = upstream.label if upstream.available else f"the ported tree ({upstream.why})"
     if unverified:

@@ -40,7 +40,7 @@ from .te_absent import (
     _t5_masks_for_local_layers,
     _te_layer_names_declared,
 )
-from .upstream_fixes import _no_group_of_no_ranks, _weights_gathered_before_save
+from .upstream_fixes import _no_group_of_no_ranks, _norm_without_the_removed_flag, _weights_gathered_before_save
 from .te_features import (
     _TE_NONE_NAMES,
     _TE_NORM_USERS,
@@ -84,6 +84,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.parallel_state": _no_group_of_no_ranks,
     "megatron.training.checkpointing": _weights_gathered_before_save,
     "megatron.checkpointing": _weights_gathered_before_save,  # its name until 2024-03-26
+    "megatron.legacy.model.utils": _norm_without_the_removed_flag,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

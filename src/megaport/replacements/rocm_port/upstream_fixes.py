@@ -93,3 +93,34 @@ def _weights_gathered_before_save(module) -> None:
 
     save_checkpoint.__rocm_port_gathered__ = True
     module.save_checkpoint = save_checkpoint
+
+
+_NORM_FLAG = ("--apply-layernorm-1p left upstream's parser but its legacy model still read it: an argument the parser "
+              "no longer has is off, as upstream's 01b361c9cf reads it")
+
+
+def _norm_without_the_removed_flag(module) -> None:
+    """Upstream from 639c08ab82 (main 2026-01-29; the core 0.16.1 and 0.17.0 releases have it) until
+    01b361c9cf (2026-02-20): ``--apply-layernorm-1p`` left the parser (its arguments now generated
+    from TransformerConfig), but the legacy model's ``get_norm`` still read it, so every legacy GPT
+    with RMSNorm failed ``AttributeError: 'Namespace' object has no attribute 'apply_layernorm_1p'``:
+    what upstream's checkpoint converter builds to bring Llama and Mixtral weights in. As
+    01b361c9cf reads it, an argument the parser no longer has is off, for the call alone."""
+    get_norm, get_args = getattr(module, "get_norm", None), getattr(module, "get_args", None)
+    if get_norm is None or get_args is None or getattr(get_norm, "__rocm_port_flag_off__", False):
+        return
+
+    @functools.wraps(get_norm)
+    def served(config, *args, **kwargs):
+        namespace = get_args()
+        if "apply_layernorm_1p" in vars(namespace):
+            return get_norm(config, *args, **kwargs)
+        say_once(_NORM_FLAG)
+        namespace.apply_layernorm_1p = False
+        try:
+            return get_norm(config, *args, **kwargs)
+        finally:
+            del namespace.apply_layernorm_1p
+
+    served.__rocm_port_flag_off__ = True
+    module.get_norm = served

@@ -1,0 +1,171 @@
+"""Hugging Face weights in: a model made and saved by ``transformers``, converted by upstream's own
+``tools/checkpoint/convert.py`` with the command upstream's docs give, and loaded by the ported
+tree's ``pretrain_gpt.py`` with the docs' launch flags, has the loss ``transformers`` computes on
+the same tokens.
+
+What a user starting from Llama weights runs, in three steps, each its own process:
+
+1. ``python -m megaport.train.hf_models FAMILY DIR`` makes the tiny model, its tokenizer, one
+   64-token document, and ``transformers``' loss on it (fp32);
+2. the docs' conversion command, at the target tensor-parallel size (on the CPU through megaport's
+   launcher, whose substitutions serve upstream's ``torch.cuda`` calls; on a GPU as the docs run it);
+3. ``pretrain_gpt.py`` on the document (upstream's indexed format), one iteration, fp32 (the docs'
+   ``--bf16`` left out: the comparison is of the same numbers), at that TP size: its first logged
+   ``lm loss`` is the loss of the converted weights before any update.
+
+The losses must agree to :data:`TOLERANCE` (Megatron logs 7 digits). Families are rows of
+:data:`SOURCES`; a tree without the family's loader is listed with why, never a skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+from megaport.train import data, log, pretrain, torchrun
+
+#: relative difference allowed between Megatron's loss and transformers': fp32 on both sides, the
+#: same weights; what is left is the order of floating-point sums (measured 0 on core 0.17, Llama)
+TOLERANCE = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One family's way in from Hugging Face, as the tree's docs give it."""
+
+    family: str
+    #: the loader module the docs' command names, under tools/checkpoint
+    loader: str
+    #: the docs' conversion flags, less the folders and the parallel sizes
+    convert_flags: tuple
+    #: the docs' launch flags for the converted checkpoint, less the folders and TP
+    launch_flags: tuple
+    #: where upstream documents both
+    docs: str
+    #: what a tree without the loader uses instead, for the report
+    elsewhere: str = ""
+
+
+SOURCES = {s.family: s for s in (
+    Source("llama", "loader_llama_mistral",
+           ("--model-type", "GPT", "--loader", "llama_mistral", "--checkpoint-type", "hf", "--model-size", "llama3"),
+           ("--pipeline-model-parallel-size", "1", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--exit-on-missing-checkpoint", "--use-checkpoint-args", "--no-load-optim", "--no-load-rng",
+            "--untie-embeddings-and-output-weights", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--disable-bias-linear",
+            "--transformer-impl", "transformer_engine", "--group-query-attention", "--attention-dropout", "0.0",
+            "--hidden-dropout", "0.0", "--rotary-base", "500000", "--rotary-percent", "1.0", "--swiglu"),
+           "docs/llama_mistral.md (Llama 3.x: the conversion, then 'Launch model')",
+           elsewhere="upstream removed its Llama loader in May 2026 (39ec5ebeb4); its docs name Megatron-Bridge, "
+                     "which megaport does not run yet"),
+)}
+
+
+def saver(tree: str) -> str:
+    """The docs' ``--saver`` for Megatron Core's format: ``core`` from core 0.13, ``mcore`` before."""
+    return "core" if os.path.exists(os.path.join(tree, "tools", "checkpoint", "saver_core.py")) else "mcore"
+
+
+def absent(tree: str, family: str) -> str | None:
+    """Why the tree cannot bring ``family``'s Hugging Face weights in; None where it can."""
+    source = SOURCES[family]
+    if not os.path.exists(os.path.join(tree, "tools", "checkpoint", f"{source.loader}.py")):
+        return f"the tree has no tools/checkpoint/{source.loader}.py" + (f": {source.elsewhere}" if source.elsewhere else "")
+    return None
+
+
+def missing_packages(python: str = sys.executable) -> list:
+    """What the round trip imports that ``python`` lacks: transformers (the model and the converter's
+    loader) and accelerate (the loader's ``device_map='cpu'``)."""
+    probe = "import importlib.util, json; print(json.dumps([m for m in ('transformers', 'accelerate', 'tokenizers') " \
+            "if importlib.util.find_spec(m) is None]))"
+    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else ["transformers"]
+
+
+def _run(argv: list, cwd: str, env: dict, what: str, timeout: float = 900) -> str:
+    """Run one step; its output, or RuntimeError naming the step and, in the rank's own words
+    (:func:`log.failure_message`), why it failed."""
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(log.failure_message(proc.returncode, proc.stdout, proc.stderr, 0, lines=15, entry_point=what)
+                           .replace(" after 0 logged iterations", "", 1))
+    return proc.stdout + "\n" + proc.stderr
+
+
+def make_model(family: str, folder: str, env: dict) -> dict:
+    """The family's tiny Hugging Face model in ``folder`` (step 1): its document and loss."""
+    text = _run([sys.executable, "-m", "megaport.train.hf_models", family, folder], folder, env,
+                f"making a tiny {family} with transformers")
+    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith('{"document"')))
+
+
+def convert_command(tree: str, family: str, hf: str, out: str, tp: int, gpu: bool) -> list:
+    """The docs' conversion command (step 2); on the CPU through megaport's launcher."""
+    source = SOURCES[family]
+    script = os.path.join("tools", "checkpoint", "convert.py")
+    start = [sys.executable, script] if gpu else [sys.executable, "-m", "megaport.train.launch", "--cpu", script]
+    return start + list(source.convert_flags) + [
+        "--saver", saver(tree), "--load-dir", hf, "--save-dir", out, "--tokenizer-model", hf,
+        "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "1"]
+
+
+def launch_command(family: str, hf: str, checkpoint: str, prefix: str, tp: int, gpu: bool) -> list:
+    """The docs' launch flags for the converted checkpoint (step 3), one fp32 iteration on the document."""
+    from megaport.train import hf_models
+
+    target = ["-m", "megaport.train.launch", *([] if gpu else ["--cpu"]), "pretrain_gpt.py",
+              "--tensor-model-parallel-size", str(tp), *SOURCES[family].launch_flags,
+              "--tokenizer-model", hf, "--load", checkpoint,
+              "--seq-length", str(hf_models.SEQ), "--max-position-embeddings", str(hf_models.POSITIONS),
+              "--num-attention-heads", str(hf_models.HEADS), "--num-query-groups", str(hf_models.GROUPS),
+              "--finetune", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+              "--lr", "1e-6", "--min-lr", "0", "--data-path", prefix, "--split", "100,0,0",
+              "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "0"]
+    return torchrun.node_commands(torchrun.Ranks(tp), target)[0]
+
+
+def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None = None, gpu: bool = False) -> dict:
+    """Steps 1-3 for ``family`` at TP ``tp`` in ``workdir``: the losses, their difference, the
+    commands and ``problems`` (empty when Megatron's loss is transformers')."""
+    # The model is made, and converted, by processes that import transformers before any Megatron
+    # module (the converter's loader does): whatever transformers then imports (DeepSpeed, which
+    # imports apex) is the user's, not the ported tree's, so verify's apex stand-ins stay out of
+    # them and guard the training run alone.
+    run_env, tool_env = pretrain.environment(tree, env), pretrain.environment(tree)
+    hf = os.path.join(workdir, f"hf-{family}")
+    if not os.path.exists(os.path.join(hf, "made.json")):
+        os.makedirs(hf, exist_ok=True)
+        made = make_model(family, hf, tool_env)
+        with open(os.path.join(hf, "made.json"), "w") as handle:
+            json.dump(made, handle)
+    with open(os.path.join(hf, "made.json")) as handle:
+        made = json.load(handle)
+    prefix = os.path.join(workdir, f"document-{family}")
+    data.write_indexed_dataset(prefix, [made["document"]])
+    checkpoint = os.path.join(workdir, f"converted-{family}-tp{tp}")
+    convert = convert_command(tree, family, hf, checkpoint, tp, gpu)
+    converted = _run(convert, tree, tool_env, "upstream's converter")
+    if not os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")):
+        # convert.py exits 0 when its loader or saver process dies: what they said is the cause
+        errors = [line for line in converted.splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
+        raise RuntimeError(f"upstream's converter wrote no checkpoint in {checkpoint}"
+                           + (f": {errors[-1].strip()}" if errors else ""))
+    launch = launch_command(family, hf, checkpoint, prefix, tp, gpu)
+    trained = log.parse_log(_run(launch, tree, run_env, "pretrain_gpt.py on the converted checkpoint"))
+    if not trained:
+        raise RuntimeError("pretrain_gpt.py logged no iteration on the converted checkpoint")
+    loss, reference = trained[0].loss, made["loss"]
+    difference = abs(loss - reference) / abs(reference)
+    problems = [] if difference <= TOLERANCE else [
+        f"Megatron's loss on the converted weights is {loss:.6f}, transformers' {reference:.6f} "
+        f"({difference:.1e} apart, at most {TOLERANCE:.0e})"]
+    return {"loss": loss, "transformers_loss": reference, "relative_difference": difference, "problems": problems,
+            "transformers": made["transformers"], "tp": tp, "docs": SOURCES[family].docs,
+            "convert_command": " ".join(convert), "launch_command": " ".join(launch),
+            "port_log": log.port_lines(converted)}

@@ -1,0 +1,96 @@
+"""Hugging Face weights in (megaport.train.hf_in): the docs' conversion and launch commands, what a
+tree without the loader says, the tiny model transformers makes, and (full clone) the round trip
+on a ported core 0.13 tree: Megatron's loss on the converted weights is transformers'."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megaport.train import hf_in, hf_models
+
+
+def _tree(tmp_path, *files: str) -> str:
+    for name in files:
+        path = tmp_path / "tools" / "checkpoint" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    return str(tmp_path)
+
+
+def test_a_tree_without_the_loader_says_where_its_weights_come_in_instead(tmp_path):
+    tree = _tree(tmp_path, "convert.py", "saver_core.py", "loader_mixtral_hf.py")
+    why = hf_in.absent(tree, "llama")
+    assert "loader_llama_mistral.py" in why and "Megatron-Bridge" in why
+    assert hf_in.absent(_tree(tmp_path, "loader_llama_mistral.py"), "llama") is None
+
+
+def test_the_saver_is_the_eras_core_format_one(tmp_path):
+    assert hf_in.saver(_tree(tmp_path / "new", "saver_core.py")) == "core"
+    assert hf_in.saver(_tree(tmp_path / "old", "saver_mcore.py")) == "mcore"
+
+
+def test_the_conversion_is_the_docs_command_through_megaports_launcher_on_the_cpu(tmp_path):
+    tree = _tree(tmp_path, "saver_core.py", "loader_llama_mistral.py")
+    cpu = hf_in.convert_command(tree, "llama", "HF", "OUT", 2, gpu=False)
+    gpu = hf_in.convert_command(tree, "llama", "HF", "OUT", 2, gpu=True)
+    assert cpu[1:5] == ["-m", "megaport.train.launch", "--cpu", "tools/checkpoint/convert.py"]
+    assert gpu[1] == "tools/checkpoint/convert.py" and "megaport.train.launch" not in gpu
+    for argv in (cpu, gpu):
+        flags = " ".join(argv)
+        assert "--loader llama_mistral --checkpoint-type hf --model-size llama3" in flags
+        assert "--saver core --load-dir HF --save-dir OUT --tokenizer-model HF --target-tensor-parallel-size 2" in flags
+        assert "--saver-transformer-impl" not in flags  # the docs' command: the series serve its default
+
+
+def test_the_launch_is_the_docs_flags_in_fp32_for_one_iteration_at_the_tp_size():
+    argv = hf_in.launch_command("llama", "HF", "CKPT", "DOC", 2, gpu=False)
+    flags = " ".join(argv)
+    assert argv[argv.index("--nproc_per_node") + 1] == "2"
+    assert "--tensor-model-parallel-size 2" in flags and "--use-checkpoint-args" in flags
+    assert "--load CKPT" in flags and "--data-path DOC" in flags and "--train-iters 1" in flags
+    assert "--bf16" not in flags and "--fp16" not in flags  # the same numbers as transformers' fp32
+    assert "--cpu pretrain_gpt.py" in flags
+
+
+def test_the_tiny_llama_is_what_transformers_saves_and_its_loss_is_over_the_datasets_sample(tmp_path):
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-m", "megaport.train.hf_models", "llama", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made = json.loads(proc.stdout.strip().splitlines()[-1])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_key_value_heads"] == hf_models.GROUPS and not config["tie_word_embeddings"]
+    assert len(made["document"]) == hf_models.SEQ and 0 < made["loss"] < 10
+    assert (tmp_path / "tokenizer.json").exists()
+
+
+@pytest.mark.fullclone
+def test_llama_weights_come_into_a_ported_core_013_tree_with_transformers_loss(full_clone, tmp_path):
+    """Upstream core_v0.13.0, ported: its docs' converter command, then pretrain_gpt.py at TP1."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from support.porting import port
+
+    tree = tmp_path / "tree"
+    code, _, output = port(full_clone, "core_v0.13.0", tree)
+    assert code == 0, output
+    compared = hf_in.round_trip(str(tree), "llama", 1, str(tmp_path / "work"))
+    assert compared["problems"] == [], compared
+    assert compared["relative_difference"] <= hf_in.TOLERANCE
+
+
+def test_a_converter_that_exits_0_having_written_nothing_is_an_error_naming_why(tmp_path):
+    """upstream's convert.py exits 0 when its saver process dies (core 0.16.1's saver: no data-parallel group)."""
+    tree = _tree(tmp_path / "tree", "saver_core.py", "loader_llama_mistral.py")
+    (tmp_path / "tree" / "tools" / "checkpoint" / "convert.py").write_text(
+        "print('Traceback (most recent call last):')\n"
+        "print('AssertionError: data parallel group is not initialized')\n")
+    made = tmp_path / "work" / "hf-llama"
+    made.mkdir(parents=True)
+    (made / "made.json").write_text(json.dumps({"document": list(range(3, 67)), "loss": 6.9, "transformers": "5"}))
+    with pytest.raises(RuntimeError, match="wrote no checkpoint .*: AssertionError: data parallel group is not init"):
+        hf_in.round_trip(tree, "llama", 1, str(tmp_path / "work"), gpu=True)
