@@ -463,6 +463,7 @@ def test_one_rank_loads_the_layouts_checkpoint_and_trains_as_from_its_own(tmp_pa
     assert shared.save and not shared.load  # the shared start one rank writes
     assert layout.layout == "tp2" and layout.save and layout.load == shared.save
     assert reference.layout == "one-rank" and reference.save and reference.save != layout.save
+    assert layout.sizes.steps == reference.sizes.steps == 4  # written after a few steps, its own runs
     assert (back.layout, back.load, yardstick.layout, yardstick.load) == ("one-rank", layout.save, "one-rank",
                                                                           reference.save)
 

@@ -1,29 +1,51 @@
 """A checkpoint written in a layout loads on one rank: the way back of a change of layout.
 
 The one-rank check loads one rank's checkpoint in the layout (1 -> TP2, PP2, EP2); a run that moves
-from 8 GPUs to 1, or resumes on fewer, goes the other way. Here the layout's run saves its weights
-after its last iteration (upstream's distributed format, which reshards), and one rank loads them
-(``--finetune --no-load-optim --no-load-rng``) and trains on; its yardstick is one rank loading what
-one rank's own reference run (same start, data and sizes) saved at the same iteration. The two
+from 8 GPUs to 1, or resumes on fewer, goes the other way. Here the layout trains a few iterations
+from the shared start and saves its weights (upstream's distributed format, which reshards); one
+rank loads them (``--finetune --no-load-optim --no-load-rng``) and trains on. Its yardstick is one
+rank loading what one rank saved after the same iterations from the same start: the two
 checkpoints are the same model within the one-rank check's tolerances, so the two continuations
-must be too: loss 1 %, grad norm 5 %, over a window where the model still learns. A layout whose
+must be too (loss 1 %, grad norm 5 %, over a window where the model still learns). A layout whose
 shards were written or read back wrong (a TP shard misplaced, an expert or stage left out) starts
-one rank from another model and fails.
+one rank from another model and fails. Its runs are its own: a layout that cannot write its
+checkpoint fails this check alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from megaport.train import parity, pretrain
 from megaport.train.checks import one_rank
 from megaport.train.checks.spec import Check, Context
 from megaport.train.layouts import registry as layouts
 
+#: the layouts whose checkpoint is loaded back on one rank: those that split the weights
+#: themselves, one dimension each, as a move from 8 GPUs to 1 or 16 meets them
+WRITTEN_BACK = ("tp2", "pp2", "ep2")
+#: iterations the layout (and one rank beside it) trains before writing: past the first update of
+#: every weight, short of the comparison window that follows
+WRITE_STEPS = 4
 
-def _on_one_rank(context: Context, family: str, layout, written: pretrain.Run) -> dict:
-    """One rank's run from the weights ``written`` saved, in ``layout``'s sizes: made once a session."""
-    base = one_rank.base_run(context, family, layout)
+
+def _written(context: Context, family: str, layout, sized_for) -> pretrain.Run:
+    """``layout``'s run of :data:`WRITE_STEPS` from the shared start, in ``sized_for``'s sizes,
+    saving its weights after them: made once a session."""
+    base = one_rank.base_run(context, family, sized_for)
+    start = one_rank.shared_start(context, base)
+    folder = os.path.join(context.workdir, f"written-{family}-{layout.name}-for-{sized_for.name}")
+    run = dataclasses.replace(start.of(base), layout=layout.name, save=folder,
+                              sizes=dataclasses.replace(base.sizes, steps=WRITE_STEPS))
+    one_rank.once(one_rank.key(context, base) + ("written", layout.name),
+                  lambda: pretrain.run_pretrain(run, context.env))
+    return run
+
+
+def _on_one_rank(context: Context, family: str, sized_for, written: pretrain.Run) -> dict:
+    """One rank's run from the weights ``written`` saved, in ``sized_for``'s sizes: made once a session."""
+    base = one_rank.base_run(context, family, sized_for)
     start = one_rank.shared_start(context, base)
     run = dataclasses.replace(start.of(base), load=written.save, layout=layouts.ONE_RANK.name)
     return one_rank.once(one_rank.key(context, base) + ("from", written.save),
@@ -31,13 +53,13 @@ def _on_one_rank(context: Context, family: str, layout, written: pretrain.Run) -
 
 
 def compare(context: Context, family: str, layout) -> dict:
-    """One rank from the layout's checkpoint against one rank from its own reference's."""
-    written, _ = one_rank.layout_run(context, family, layout)
-    reference, _ = one_rank.layout_run(context, family, layouts.ONE_RANK, sized_for=layout)
+    """One rank from the layout's checkpoint against one rank from one rank's checkpoint."""
+    written = _written(context, family, layout, layout)
+    reference = _written(context, family, layouts.ONE_RANK, layout)
     back, yardstick = (_on_one_rank(context, family, layout, w) for w in (written, reference))
     compared = parity.loss_parity(back, yardstick)
-    compared.update(against=f"one rank from one rank's checkpoint of the same iteration ({layout.name}'s written "
-                            f"after {written.sizes.steps} iterations, loaded on one rank)",
+    compared.update(against=f"one rank from one rank's checkpoint ({layout.name}'s and one rank's, each written "
+                            f"after {WRITE_STEPS} iterations from the shared start, loaded on one rank)",
                     run={k: back[k] for k in ("command", "notes", "port_log") if k in back})
     compared["problems"] = parity.parity_problems(compared, min(len(back["losses"]), len(yardstick["losses"])),
                                                   yardstick="one rank from one rank's checkpoint")
@@ -46,9 +68,9 @@ def compare(context: Context, family: str, layout) -> dict:
 
 def not_for(layout, tree: str) -> str | None:
     """Why the way back is not checked for ``layout`` on ``tree``."""
-    if layout.name not in one_rank.WRITTEN_BACK:
+    if layout.name not in WRITTEN_BACK:
         return (f"the way back is checked for the layouts that split the weights one way each "
-                f"({', '.join(one_rank.WRITTEN_BACK)}); the others' checkpoints are written the same way")
+                f"({', '.join(WRITTEN_BACK)}); the others' checkpoints are written the same way")
     if not one_rank.reshards(tree):
         return "this era's checkpoints do not reshard: another layout cannot load them"
     return None

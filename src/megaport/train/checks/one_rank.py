@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import zlib
 
 from megaport.train import example, parity, pretrain, tree_files
 from megaport.train.checks.spec import Check, Context
@@ -150,29 +149,14 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
     return once(key(context, run), make)
 
 
-#: the layouts whose checkpoint is loaded back on one rank (:mod:`.layout_change`): those that split
-#: the weights themselves, one dimension each, as a move from 8 GPUs to 1 or 16 meets them
-WRITTEN_BACK = ("tp2", "pp2", "ep2")
-
-
-def writes_back(layout, tree: str) -> bool:
-    """Whether ``layout``'s run saves its weights after its last iteration for one rank to load:
-    one of :data:`WRITTEN_BACK` (and one rank's reference beside them) where the era reshards."""
-    return (layout is layouts.ONE_RANK or layout.name in WRITTEN_BACK) and reshards(tree)
-
-
 def layout_run(context: Context, family: str, layout, sized_for=None) -> tuple:
     """The ported tree's run of ``family`` in ``layout`` from the shared start, in the sizes
     ``sized_for`` (a layout: one rank's reference takes the sizes of the layout it is compared
-    with) or its own: (the run, its document), made once a session (a layout's checks share it).
-    Where :func:`writes_back`, the run saves its weights after its last iteration (``run.save``)."""
+    with) or its own: (the run, its document), made once a session (a layout's checks share it)."""
     base = base_run(context, family, sized_for or layout)
     start = shared_start(context, base)
-    shared_as = key(context, base) + (layout.name,)
-    saved = os.path.join(context.workdir, f"written-{family}-{layout.name}-{zlib.crc32(repr(shared_as).encode()):08x}")
-    run = dataclasses.replace(start.of(base), layout=layout.name,
-                              save=saved if writes_back(layout, context.tree) else None)
-    return run, once(shared_as, lambda: pretrain.run_pretrain(run, context.env))
+    run = dataclasses.replace(start.of(base), layout=layout.name)
+    return run, once(key(context, base) + (layout.name,), lambda: pretrain.run_pretrain(run, context.env))
 
 
 def reshards(tree: str) -> bool:
