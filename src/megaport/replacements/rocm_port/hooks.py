@@ -23,6 +23,7 @@ from .target_stack import (
     _async_writer_calls_todays_write_item,
     _both_resize_names,
     _checkpoints_load_as_they_were_saved,
+    _iobytes_requested_once,
     _save_planner_takes_coordinator_by_name,
     _sentinel_tokens_kept,
     _zero_takes_port_fused_adam,
@@ -71,6 +72,7 @@ _AFTER_IMPORT_TARGET_STACK = {
     "megatron.model.vision.inpainting": _both_resize_names,
     "megatron.core.tokenizers.text.libraries.huggingface_tokenizer": _sentinel_tokens_kept,
     "megatron.core.dist_checkpointing.strategies.torch": (_save_planner_takes_coordinator_by_name,
+                                                          _iobytes_requested_once,
                                                           _checkpoints_load_as_they_were_saved),
     "megatron.core.dist_checkpointing.strategies.filesystem_async": _async_writer_calls_todays_write_item,
     **{name: _checkpoints_load_as_they_were_saved for name in (

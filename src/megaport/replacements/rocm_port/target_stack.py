@@ -149,6 +149,38 @@ def _save_planner_takes_coordinator_by_name(module) -> None:
     planner.set_up_planner = set_up_planner
 
 
+_IOBYTES_ONCE = ("torch's save plan already asks every rank for its byte objects (RNG state, extra states): "
+                 "Megatron's planner no longer asks a second time (upstream's f0161d2400)")
+
+
+def _iobytes_requested_once(module) -> None:
+    """Core 0.6 … 0.8's ``MCoreSavePlanner`` (baa76c7e79, 2024-03-13, until f0161d2400, 2024-09-05)
+    adds each byte object's write request to a non-coordinator rank's plan, which torch < 2.4 left
+    out; today's torch puts them in every rank's plan itself, so each came twice and any save from
+    more than one rank (a TP2 or PP2 checkpoint) died in torch's global plan (``item.index.fqn not
+    in md``). As f0161d2400 does, each is asked for once: a request the plan already has is not
+    added again."""
+    planner = getattr(module, "MCoreSavePlanner", None)
+    add = getattr(planner, "_add_non_coordinator_iobytes_request", None)
+    if add is None or getattr(add, "_rocm_port", False):
+        return
+
+    @functools.wraps(add)
+    def once(self, plan):
+        asked = {item.index for item in plan.items}
+        before = len(plan.items)
+        add(self, plan)
+        added = plan.items[before:]
+        kept = [item for item in added if item.index not in asked]
+        if len(kept) < len(added):
+            say_once(_IOBYTES_ONCE)
+            del plan.items[before:]
+            plan.items.extend(kept)
+
+    once._rocm_port = True
+    planner._add_non_coordinator_iobytes_request = once
+
+
 def _async_writer_calls_todays_write_item(module) -> None:
     """Core 0.5 … 0.12's asynchronous checkpoint writer calls torch's private ``_write_item`` as
     torch 2.3 had it; torch 2.6 put the writer's stream transforms first and 2.7 added a
