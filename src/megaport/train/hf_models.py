@@ -40,18 +40,8 @@ def _llama():
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
 
 
-def _mixtral():
-    import transformers
-
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POSITIONS,
-        rope_theta=1000000.0, rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
-
-
 #: family -> the transformers model it makes
-MODELS = {"llama": _llama, "mixtral": _mixtral}
+MODELS = {"llama": _llama}
 
 
 def make(family: str, out: str) -> dict:
