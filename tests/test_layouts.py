@@ -430,7 +430,7 @@ def test_the_way_back_is_planned_for_the_layouts_that_split_weights_where_checkp
     assert runs == [] and "do not reshard" in next(a.why for a in absent if a.layout == "tp2")
 
 
-def _continuations(tmp_path, monkeypatch, back_losses: list) -> tuple:
+def _continuations(tmp_path, monkeypatch, back_losses: list, layout: str = "tp2", writes: bool = True) -> tuple:
     """layout_change.compare with every run faked: the layout's and one rank's runs, then one rank
     from each one's checkpoint (``back_losses`` from the layout's); (the runs asked for, the comparison)."""
     from megaport.train.checks import layout_change, one_rank
@@ -443,6 +443,9 @@ def _continuations(tmp_path, monkeypatch, back_losses: list) -> tuple:
 
     def run_pretrain(run, env):
         trained.append(run)
+        if run.save and writes:
+            os.makedirs(run.save, exist_ok=True)
+            Path(run.save, "latest_checkpointed_iteration.txt").write_text(str(run.sizes.steps))
         losses = back_losses if run.load and "written-llama-tp2" in run.load else own
         return {"iterations": list(range(1, steps + 1)), "losses": losses, "grad_norms": [1.0] * steps}
 
@@ -450,9 +453,11 @@ def _continuations(tmp_path, monkeypatch, back_losses: list) -> tuple:
     monkeypatch.setattr(one_rank, "base_run", lambda context, family, layout: pretrain.Run(
         tree=context.tree, family=family, sizes=example.Sizes(steps=steps)))
     monkeypatch.setattr(pretrain, "run_pretrain", run_pretrain)
-    compared = layout_change.compare(Context(tree, None, False, {}, str(tmp_path / "work")), "llama",
-                                     layouts.get("tp2"))
-    return trained, compared
+    context = Context(tree, None, False, {}, str(tmp_path / "work"))
+    if layout == "tp2-then-pp2":  # two layouts of one size: the second shares one rank's written run
+        layout_change.compare(context, "llama", layouts.get("tp2"))
+        layout = "pp2"
+    return trained, layout_change.compare(context, "llama", layouts.get(layout))
 
 
 def test_one_rank_loads_the_layouts_checkpoint_and_trains_as_from_its_own(tmp_path, monkeypatch):
@@ -472,3 +477,19 @@ def test_a_layout_checkpoint_that_loads_another_model_fails_the_way_back(tmp_pat
     own = [10.0 * (1 - 0.02 * i) for i in range(30)]
     _, compared = _continuations(tmp_path, monkeypatch, [x * 1.03 for x in own])
     assert any("losses differ by up to 3.00%" in p for p in compared["problems"]), compared["problems"]
+
+
+def test_layouts_of_one_size_share_one_ranks_checkpoint_and_each_loads_what_was_written(tmp_path, monkeypatch):
+    """pp2 after tp2 (the same sizes): one rank's written run is shared, and pp2's yardstick loads the
+    folder that run wrote (core 0.6-0.7: it once loaded a folder never written, and trained from a
+    random start, 9 % apart)."""
+    trained, compared = _continuations(tmp_path, monkeypatch, [10.0 * (1 - 0.02 * i) for i in range(30)],
+                                       layout="tp2-then-pp2")
+    written = {run.save for run in trained if run.save}
+    assert all(run.load in written for run in trained if run.load and "written" in run.load)
+    assert sum(1 for run in trained if run.save and run.layout == "one-rank" and "written" in run.save) == 1
+
+
+def test_a_layout_whose_run_wrote_no_checkpoint_is_an_error_not_a_random_start(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="wrote no checkpoint"):
+        _continuations(tmp_path, monkeypatch, [1.0] * 30, writes=False)

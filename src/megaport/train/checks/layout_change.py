@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 
 from megaport.train import parity, pretrain
 from megaport.train.checks import one_rank
@@ -28,6 +29,8 @@ WRITTEN_BACK = ("tp2", "pp2", "ep2")
 #: iterations the layout (and one rank beside it) trains before writing: past the first update of
 #: every weight, short of the comparison window that follows
 WRITE_STEPS = 4
+#: what upstream writes beside a checkpoint's iteration folders: which one is the newest
+_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _written(context: Context, family: str, layout, sized_for) -> pretrain.Run:
@@ -35,11 +38,14 @@ def _written(context: Context, family: str, layout, sized_for) -> pretrain.Run:
     saving its weights after them: made once a session."""
     base = one_rank.base_run(context, family, sized_for)
     start = one_rank.shared_start(context, base)
-    folder = os.path.join(context.workdir, f"written-{family}-{layout.name}-for-{sized_for.name}")
+    shared_as = one_rank.key(context, base) + ("written", layout.name)
+    # named by what it is shared under: layouts of the same sizes share one rank's run, and its folder
+    folder = os.path.join(context.workdir, f"written-{family}-{layout.name}-{zlib.crc32(repr(shared_as).encode()):08x}")
     run = dataclasses.replace(start.of(base), layout=layout.name, save=folder,
                               sizes=dataclasses.replace(base.sizes, steps=WRITE_STEPS))
-    one_rank.once(one_rank.key(context, base) + ("written", layout.name),
-                  lambda: pretrain.run_pretrain(run, context.env))
+    one_rank.once(shared_as, lambda: pretrain.run_pretrain(run, context.env))
+    if not os.path.exists(os.path.join(folder, _TRACKER)):
+        raise RuntimeError(f"{layout.name}'s run wrote no checkpoint in {folder}")
     return run
 
 
