@@ -46,6 +46,15 @@ def test_the_conversion_is_the_docs_command_through_megaports_launcher_on_the_cp
         assert "--saver-transformer-impl" not in flags  # the docs' command: the series serve its default
 
 
+def test_a_loader_that_names_llama3_by_size_gets_the_name_its_docs_use(tmp_path):
+    """core 0.8's loader_llama_mistral has llama3-8B, not llama3 (its docs: --model-size llama3-8B)."""
+    tree = _tree(tmp_path, "saver_mcore.py")
+    (tmp_path / "tools" / "checkpoint" / "loader_llama_mistral.py").write_text(
+        "choices=['llama2-7B', 'llama3-8B', 'llama3-70B', 'mistral-7B']")
+    argv = hf_in.convert_command(tree, "llama", "HF", "OUT", 1, gpu=True)
+    assert argv[argv.index("--model-size") + 1] == "llama3-8B" and argv[argv.index("--saver") + 1] == "mcore"
+
+
 def test_the_launch_is_the_docs_flags_in_fp32_for_one_iteration_at_the_tp_size():
     argv = hf_in.launch_command("llama", "HF", "CKPT", "DOC", 2, gpu=False)
     flags = " ".join(argv)

@@ -105,12 +105,26 @@ def make_model(family: str, folder: str, env: dict) -> dict:
     return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith('{"document"')))
 
 
+#: the loader's --model-size for a Llama 3 before core 0.9 named it by size (docs: llama3-8B)
+_SIZED_NAMES = {"llama3": "llama3-8B"}
+
+
+def _era_model_size(tree: str, source: Source, flag: str) -> str:
+    """``flag``, or the name the tree's loader gives the same model where it names models by size."""
+    if flag not in _SIZED_NAMES:
+        return flag
+    path = os.path.join(tree, "tools", "checkpoint", f"{source.loader}.py")
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    return flag if f"'{flag}'" in text or not text else _SIZED_NAMES[flag]
+
+
 def convert_command(tree: str, family: str, hf: str, out: str, tp: int, gpu: bool) -> list:
     """The docs' conversion command (step 2); on the CPU through megaport's launcher."""
     source = SOURCES[family]
     script = os.path.join("tools", "checkpoint", "convert.py")
+    flags = [_era_model_size(tree, source, flag) for flag in source.convert_flags]
     start = [sys.executable, script] if gpu else [sys.executable, "-m", "megaport.train.launch", "--cpu", script]
-    return start + list(source.convert_flags) + [
+    return start + flags + [
         "--saver", saver(tree), "--load-dir", hf, "--save-dir", out, "--tokenizer-model", hf,
         "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "1"]
 
