@@ -493,3 +493,18 @@ def test_layouts_of_one_size_share_one_ranks_checkpoint_and_each_loads_what_was_
 def test_a_layout_whose_run_wrote_no_checkpoint_is_an_error_not_a_random_start(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="wrote no checkpoint"):
         _continuations(tmp_path, monkeypatch, [1.0] * 30, writes=False)
+
+
+def test_the_way_back_holds_where_the_loss_rises_a_little_over_its_ten_iterations(tmp_path, monkeypatch):
+    """core 2024-02: one rank from either checkpoint rose 1.1 % over 10 iterations, alike on both sides."""
+    rising = [5.0 * (1 + 0.001 * i) for i in range(30)]
+    from megaport.train.checks import layout_change, one_rank
+
+    monkeypatch.setattr(layout_change, "_on_one_rank", lambda context, family, sized_for, written: {
+        "iterations": list(range(1, 31)), "losses": rising, "grad_norms": [1.0] * 30})
+    monkeypatch.setattr(layout_change, "_written", lambda *args: pretrain.Run(tree=str(tmp_path)))
+    from megaport.train.checks.spec import Context
+
+    compared = layout_change.compare(Context(str(tmp_path), None, False, {}, str(tmp_path)), "llama",
+                                     layouts.get("tp2"))
+    assert compared["problems"] == []

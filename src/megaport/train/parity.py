@@ -89,16 +89,16 @@ def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False, family: st
 
 
 def parity_problems(parity: dict, logged: int, yardstick: str = "unported upstream with its fusions off",
-                    min_loss_drop: float = MIN_LOSS_DROP) -> list:
+                    min_loss_drop: float | None = MIN_LOSS_DROP) -> list:
     """Why ``parity`` (from :func:`loss_parity`) fails, one sentence each; empty when it holds.
     ``logged``: the fewer iterations either run logged a loss for; ``yardstick``: what the ported
     run was compared with, in words; ``min_loss_drop``: how much the loss must fall over the window
-    for the comparison to mean anything (0 where the first iterations alone decide it)."""
+    for the comparison to mean anything (None where the first iterations alone decide it)."""
     problems = []
     if len(parity["iterations"]) < max(MIN_COMPARED, 0.9 * logged):
         problems.append(f"only {len(parity['iterations'])} iterations logged by both runs (fp16 skipped others: "
                         f"ported only {parity['only_ported']}, {yardstick} only {parity['only_upstream']})")
-    if parity["loss_drop"] < min_loss_drop:
+    if min_loss_drop is not None and parity["loss_drop"] < min_loss_drop:
         problems.append(f"{yardstick}: the loss fell by {parity['loss_drop']:.1%} over the compared iterations, "
                         f"less than {min_loss_drop:.0%}: parity where the model does not learn proves nothing: "
                         f"{parity['upstream']}")
