@@ -18,6 +18,10 @@ import sys
 VOCAB, HIDDEN, LAYERS, HEADS, GROUPS, SEQ = 1024, 64, 2, 4, 2, 64
 #: upstream's Llama loader fixes --seq-length at 4096: the position table must reach it
 POSITIONS = 8192
+#: weights drawn wide enough that the loss is the weights' own (8.13 here), far from a near-uniform
+#: model's ln(VOCAB) = 6.93 (transformers' default 0.02 gives 6.9278): weights that did not load, or
+#: loaded into the wrong places, cannot land within the round trip's tolerance by chance
+INIT_STD = 0.2
 
 
 def _tokenizer(out: str) -> None:
@@ -37,7 +41,8 @@ def _llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POSITIONS,
-        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        initializer_range=INIT_STD))
 
 
 #: family -> the transformers model it makes
