@@ -9,6 +9,7 @@ import os
 import pickle
 import socket
 
+import pytest
 import torch
 
 from megaport.train import failure
@@ -19,6 +20,7 @@ WORLD = 2
 
 #: The shape of upstream 9208adbdc7 … e43abe7dfa's expert groups, at CP2, TP1, EP1 on two ranks.
 PARALLEL_STATE = '''
+import pytest
 import torch
 
 
@@ -182,3 +184,147 @@ def test_the_legacy_norm_reads_a_removed_flag_as_off_for_the_call_alone():
         pass
     else:
         raise AssertionError("the flag the parser gave was not read")
+
+
+#: upstream 2024-01-17 … 05-30's optimizers, as far as clipping goes: each sub-optimizer of the chain
+#: puts its main gradients in place, clips them by its own norm over its model-parallel group (here
+#: the rank alone) and steps; the chain reports the root of their squares.
+CHAINED = '''
+import math
+
+import pytest
+import torch
+
+MODEL_PARALLEL = {}
+
+
+class FP32Optimizer:
+    def __init__(self, params, expert):
+        self.optimizer = torch.optim.SGD(params, lr=1.0)
+        self.optimizer.param_groups[0]["is_expert_parallel"] = expert
+
+    def get_parameters(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_main_grads_for_grad_norm(self):
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    def get_model_parallel_group(self):
+        return MODEL_PARALLEL["group"]
+
+    def clip_grad_norm(self, clip_grad):
+        square = torch.tensor([sum(float(g.pow(2).sum()) for g in self.get_main_grads_for_grad_norm())])
+        torch.distributed.all_reduce(square, group=self.get_model_parallel_group())
+        norm = float(square.sqrt())
+        if clip_grad / (norm + 1.0e-6) < 1.0:
+            for p in self.get_parameters():
+                p.grad.mul_(clip_grad / (norm + 1.0e-6))
+        return norm
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.get_parameters():
+            p.grad = p.main_grad
+        norm = self.clip_grad_norm(1.0)
+        self.optimizer.step()
+        return True, norm, None
+
+
+class ChainedOptimizer:
+    def __init__(self, chained_optimizers):
+        self.chained_optimizers = chained_optimizers
+
+    def step(self):
+        update_successful, grad_norms = True, []
+        for optimizer in self.chained_optimizers:
+            ok, norm, _ = optimizer.step()
+            update_successful &= ok
+            grad_norms.append(norm or 0.0)
+        return update_successful, math.sqrt(sum(x ** 2 for x in grad_norms)), 0
+'''
+
+#: the dense weights' gradient (alike on both ranks, as after the data-parallel reduction) and each
+#: expert-parallel rank's own expert's: norms 5, 2 and sqrt(5), together sqrt(34)
+DENSE, EXPERTS = [3.0, 4.0], ([0.0, 2.0], [2.0, 1.0])
+
+
+def _chain_rank(rank: int, port: int, out_dir: str, fix: str) -> None:
+    import sys
+    import types
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    alone = [torch.distributed.new_group([r]) for r in range(WORLD)][rank]
+    state = types.ModuleType("megatron.core.parallel_state")
+    state.get_expert_model_parallel_group = lambda: torch.distributed.group.WORLD
+    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": types.ModuleType("megatron.core"),
+                        "megatron.core.parallel_state": state})
+    sys.modules["megatron.core"].parallel_state = state
+    if fix == "shim":
+        registry.REGISTRY["chained-clip-total-norm"].install()
+    spec = importlib.util.spec_from_file_location("megatron.core.optimizer.optimizer",
+                                                  os.path.join(out_dir, "optimizer.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if fix == "port":
+        for step in port_support.load().after_import_steps("megatron.core.optimizer.optimizer"):
+            step(module)
+    elif fix == "shim":
+        registry.REGISTRY["chained-clip-total-norm"].one_norm_for_the_chain(module)
+    module.MODEL_PARALLEL["group"] = alone
+    dense, expert = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    dense.main_grad, expert.main_grad = torch.tensor(DENSE), torch.tensor(EXPERTS[rank])
+    chain = module.ChainedOptimizer([module.FP32Optimizer([dense], False), module.FP32Optimizer([expert], True)])
+    ok, norm, _ = chain.step()
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump({"norm": norm, "dense": dense.tolist(), "expert": expert.tolist()}, handle)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _chain_outcomes(tmp_path, fix: str) -> list:
+    (tmp_path / "optimizer.py").write_text(CHAINED)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(_chain_rank, args=(port, str(tmp_path), fix), nprocs=WORLD)
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def _clipped(grad, norm):
+    return [-g / (norm + 1.0e-6) for g in grad]
+
+
+def test_unfixed_each_chained_optimizer_clips_by_its_own_norm_and_the_ranks_disagree(tmp_path):
+    outcomes = _chain_outcomes(tmp_path, "none")
+    assert [round(o["norm"] ** 2, 4) for o in outcomes] == [29.0, 30.0]  # the other rank's expert left out
+    assert outcomes[0]["dense"] == pytest.approx(_clipped(DENSE, 5.0))
+    assert outcomes[1]["expert"] == pytest.approx(_clipped(EXPERTS[1], 5 ** 0.5))
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_every_chained_optimizer_clips_by_the_norm_of_all_gradients_on_every_rank(tmp_path, fix):
+    outcomes = _chain_outcomes(tmp_path, fix)
+    total = 34 ** 0.5
+    assert [o["norm"] for o in outcomes] == pytest.approx([total, total])
+    assert outcomes[0]["dense"] == outcomes[1]["dense"] == pytest.approx(_clipped(DENSE, total))
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["expert"] == pytest.approx(_clipped(EXPERTS[rank], total))
+
+
+def test_where_the_chain_prepares_its_gradients_first_the_port_leaves_it_alone():
+    import types
+
+    module = types.ModuleType("megatron.core.optimizer.optimizer")
+
+    class ChainedOptimizer:
+        def prepare_grads(self):
+            return False
+
+        def step(self):
+            return True, 1.0, 0
+
+    module.ChainedOptimizer = ChainedOptimizer
+    for step in port_support.load().after_import_steps("megatron.core.optimizer.optimizer"):
+        step(module)
+    assert module.ChainedOptimizer.step is ChainedOptimizer.__dict__["step"]
+    assert registry.applies("chained-clip-total-norm", "/nonexistent") is False

@@ -41,7 +41,12 @@ from .te_absent import (
     _t5_masks_for_local_layers,
     _te_layer_names_declared,
 )
-from .upstream_fixes import _no_group_of_no_ranks, _norm_without_the_removed_flag, _weights_gathered_before_save
+from .upstream_fixes import (
+    _chained_optimizers_clip_by_one_norm,
+    _no_group_of_no_ranks,
+    _norm_without_the_removed_flag,
+    _weights_gathered_before_save,
+)
 from .te_features import (
     _TE_NONE_NAMES,
     _TE_NORM_USERS,
@@ -87,6 +92,8 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.training.checkpointing": _weights_gathered_before_save,
     "megatron.checkpointing": _weights_gathered_before_save,  # its name until 2024-03-26
     "megatron.legacy.model.utils": _norm_without_the_removed_flag,
+    "megatron.core.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,
+    "megatron.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,  # its name until 2024-02-13
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

@@ -124,3 +124,113 @@ def _norm_without_the_removed_flag(module) -> None:
 
     served.__rocm_port_flag_off__ = True
     module.get_norm = served
+
+
+_ONE_NORM = ("the expert and the dense optimizers clip their gradients by one norm, that of all the model's "
+             "gradients, experts on every expert-parallel rank included (upstream's ddfcc589c0; each clipped by "
+             "its own before)")
+
+
+def _is_expert_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` (one of a chain) holds the expert-parallel parameters: its param groups
+    say so (``is_expert_parallel``, every era of the chain), or its parameters are not all-reduced."""
+    groups = getattr(getattr(optimizer, "optimizer", None), "param_groups", None) or []
+    if any(g.get("is_expert_parallel") for g in groups):
+        return True
+    return any(not getattr(p, "allreduce", True) for g in groups for p in g.get("params", ()))
+
+
+def _main_grads_ready(optimizer) -> float:
+    """Put ``optimizer``'s main gradients where its own step would (what it copies is copied again
+    there, so nothing changes) and answer the factor that unscales them (fp16's loss scale)."""
+    copy = getattr(optimizer, "_copy_model_grads_to_main_grads", None)
+    if callable(copy):
+        copy()
+    else:  # FP32Optimizer: the gradients the data-parallel buffer holds
+        for group in optimizer.optimizer.param_groups:
+            for param in group["params"]:
+                if getattr(param, "main_grad", None) is not None:
+                    param.grad = param.main_grad
+    scaler = getattr(optimizer, "grad_scaler", None)
+    return float(scaler.inv_scale.item()) if scaler is not None else 1.0
+
+
+def _norm_squared(optimizer, device) -> torch.Tensor:
+    """The squared 2-norm of ``optimizer``'s part of the model's gradients, over every rank that
+    holds a piece of it: its own model-parallel group (the whole world for a distributed optimizer),
+    and for the experts, when that group leaves them out, the expert-parallel ranks too."""
+    from megatron.core import parallel_state
+
+    unscale = _main_grads_ready(optimizer)
+    grads = optimizer.get_main_grads_for_grad_norm()
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad in grads:
+        total += grad.detach().float().norm().to(device) ** 2
+    total *= unscale * unscale
+    group = optimizer.get_model_parallel_group()
+    torch.distributed.all_reduce(total, group=group)
+    if group is not None and _is_expert_optimizer(optimizer):
+        torch.distributed.all_reduce(total, group=parallel_state.get_expert_model_parallel_group())
+    return total
+
+
+def _reduction_device():
+    """Where upstream reduces its norms: the current GPU (megaport's CPU launcher answers the CPU)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def _chained_optimizers_clip_by_one_norm(module) -> None:
+    """Upstream from d657a3ef5c (2024-01-17: the expert parameters get their own optimizer, chained
+    with the dense one) until ddfcc589c0 (2024-05-30, "Fix dual-optimizer gradient clipping
+    issue"): ``ChainedOptimizer.step`` stepped each optimizer whole, so each clipped its gradients by
+    its own norm, the experts' counted on this expert-parallel rank alone. With expert parallelism
+    a Mixtral run left one rank wherever the norm passed ``--clip-grad`` (main 2024-03, EP2: grad norm
+    12 % apart by iteration 29, the loss 0.3 %; EP1 builds one optimizer and clips right). As
+    ddfcc589c0 does, the total over every optimizer (experts reduced over the expert-parallel ranks
+    too) is computed once, every optimizer clips by it, and the chain reports it; where the total is
+    not finite (fp16 overflow in one of them) each clips as before."""
+    chained = getattr(module, "ChainedOptimizer", None)
+    if chained is None or hasattr(chained, "prepare_grads") or getattr(chained.step, "__rocm_port_one_norm__", False):
+        return
+    step = chained.step
+
+    @functools.wraps(step)
+    def step_clipping_by_one_norm(self, *args, **kwargs):
+        inner = list(self.chained_optimizers)
+        if len(inner) < 2:
+            return step(self, *args, **kwargs)
+        said = {}
+
+        def total_norm():
+            if "total" not in said:
+                squared = sum(_norm_squared(o, _reduction_device()) for o in inner)
+                said["total"] = float(squared.sqrt().item())
+            return said["total"]
+
+        def clip_by_total(optimizer, own):
+            def clip_grad_norm(clip_grad, *rest, **kw):
+                total = total_norm()
+                if not torch.isfinite(torch.tensor(total)):
+                    return own(clip_grad, *rest, **kw)
+                say_once(_ONE_NORM)
+                coefficient = float(clip_grad) / (total + 1.0e-6)
+                if coefficient < 1.0:
+                    for param in optimizer.get_parameters():
+                        if param.grad is not None:
+                            param.grad.detach().mul_(coefficient)
+                return total
+            return clip_grad_norm
+
+        for optimizer in inner:
+            optimizer.clip_grad_norm = clip_by_total(optimizer, optimizer.clip_grad_norm)
+        try:
+            successful, grad_norm, zeros = step(self, *args, **kwargs)
+        finally:
+            for optimizer in inner:
+                del optimizer.clip_grad_norm
+        if "total" in said and grad_norm and torch.isfinite(torch.tensor(said["total"])):
+            grad_norm = said["total"]
+        return successful, grad_norm, zeros
+
+    step_clipping_by_one_norm.__rocm_port_one_norm__ = True
+    chained.step = step_clipping_by_one_norm

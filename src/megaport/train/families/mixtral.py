@@ -62,4 +62,7 @@ FAMILY = Family(
     # 1.3e-4 apart): the layouts are compared over 50
     layout_steps=50,
     layout_left_out=_compared_in_fp32,
+    # main 2024-01 … 05: upstream's chained expert and dense optimizers clipped by their own norms
+    # (the port fixes it as upstream's ddfcc589c0 did; unported upstream gets the same, written apart)
+    baseline_shims=("chained-clip-total-norm",),
 )
