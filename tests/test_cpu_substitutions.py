@@ -591,3 +591,10 @@ def test_a_pending_gloo_send_keeps_its_buffer_as_nccls_does(tmp_path):
     assert _send_then_free(tmp_path / "kept", substituted=True, patience=300) == "ok"
     # gloo's own: the receiver waits on what never comes whole (measured: still waiting after 10 min)
     assert _send_then_free(tmp_path / "freed", substituted=False, patience=15) != "ok"
+
+
+def test_no_stream_captures_a_graph_on_the_host(clean):
+    """dev 2026-08's pipeline sends ask ``is_current_stream_capturing()`` before each batch: torch's
+    own asks the CUDA driver, which a machine without a GPU lacks."""
+    with cpu_substitutions.install(torch, "training"):
+        assert torch.cuda.is_current_stream_capturing() is False

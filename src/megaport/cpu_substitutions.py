@@ -422,7 +422,8 @@ def _rng(patch: Patch, torch) -> None:
 
 @substitution("streams")
 def _streams(patch: Patch, torch) -> None:
-    """Upstream times with CUDA events and overlaps on streams: one host stream, events on the host clock."""
+    """Upstream times with CUDA events and overlaps on streams: one host stream, events on the host clock,
+    and no stream capturing a CUDA graph (dev 2026-08's pipeline sends ask before each batch)."""
     cuda = torch.cuda
     host_stream_class = _host_stream_class(torch)
     host_stream = host_stream_class()  # the one stream there is (torch.cpu.current_stream() has no synchronize)
@@ -432,6 +433,7 @@ def _streams(patch: Patch, torch) -> None:
     patch.set(cuda, "default_stream", lambda device=None: host_stream)
     patch.set(cuda, "set_stream", lambda stream: None)
     patch.set(cuda, "Event", HostEvent)
+    patch.set(cuda, "is_current_stream_capturing", lambda: False)
 
 
 @substitution("cpu-stream")
@@ -611,7 +613,7 @@ PROFILES: dict[str, Profile] = {
             "RNG: the CUDA generator is the CPU generator (seed, get/set state, tracker fork)",
             "JIT warm-up: its device draws leave the host generator as they found it (as on a GPU, whose "
             "warm-up draws from the device's generator: --use-cpu-initialization's weights as there)",
-            "streams and events: CPU stream, host-clock events, synchronize/empty_cache no-ops, CUDA memory counters 0",
+            "streams and events: CPU stream, host-clock events, no graph capture, synchronize/empty_cache no-ops, CUDA memory counters 0",
             "torch.histc of integers (CUDA-only): counted on a float copy, counts in the input's dtype",
             "torch.compile off: upstream's compiled functions (jit_fuser) run eagerly, as written (inductor's C++ "
             "build cost every CPU process seconds)",
