@@ -125,6 +125,23 @@ def _unsaved_experts(tree: str, family: str) -> tuple:
     return ()
 
 
+#: main 2024-03-19 … 03-27 drew every weight on the CPU by default (``--use-cpu-initialization``
+#: default True; the GPU draw behind ``--use-gpu-initialization``), every other era on the device.
+#: The shared start is drawn as every other era draws it: from the CPU draw, core 2024-03's
+#: GPT trained another, spikier trajectory (grad norm 2.4 at iteration 4) in which fp16 rounding
+#: grew to 7.4 % between TP2xPP2 and one rank, and main 2024-04's code from that same CPU-drawn
+#: start gave the identical 7.4 % (3.5e-3 from its own start): the start, not the layout.
+_DEVICE_DRAW = ("--use-gpu-initialization", "the shared start is drawn on the device, as every other era draws it "
+                                            "(this era's default drew it on the CPU)")
+
+
+def _drawn_as_every_era(tree: str) -> tuple:
+    """The flags that make the writer of the shared start draw its weights the way every era's
+    default does: ((flags, why),) or ()."""
+    flag, why = _DEVICE_DRAW
+    return (((flag,), why),) if example.parser_has(tree, flag) else ()
+
+
 def shared_count() -> int:
     """How many shared runs this session made (names their folders apart)."""
     return len(_SHARED)
@@ -142,7 +159,8 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
             return Start(extra=((("--use-cpu-initialization",), why),))
         folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
         start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
-        pretrain.run_pretrain(dataclasses.replace(start.of(run), load=None,
+        writer = start.of(run)
+        pretrain.run_pretrain(dataclasses.replace(writer, load=None, extra=writer.extra + _drawn_as_every_era(context.tree),
                                                   sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS), save=folder),
                               context.env)
         return start
