@@ -328,3 +328,63 @@ def test_where_the_chain_prepares_its_gradients_first_the_port_leaves_it_alone()
         step(module)
     assert module.ChainedOptimizer.step is ChainedOptimizer.__dict__["step"]
     assert registry.applies("chained-clip-total-norm", "/nonexistent") is False
+
+
+#: upstream 2025-10-29 … 2026-02-09's T5 sample, as far as its spans and pads go
+T5_DATASET = '''
+import numpy
+
+
+class T5MaskedWordPieceDataset:
+    def __init__(self, spans, pad=7):
+        self.spans, self._pad_token_id = spans, pad
+
+    def __getitem__(self, idx):
+        decoder_output = []
+        for indices, labels in self.spans:
+            decoder_output.extend(labels)
+        decoder_output = numpy.array(decoder_output + [self._pad_token_id], dtype=numpy.int64)
+        labels[labels == self._pad_token_id] = 0
+        return {"labels": decoder_output}
+'''
+
+
+def _t5_module(tmp_path, source=T5_DATASET):
+    path = tmp_path / "t5_dataset.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("megatron.core.datasets.t5_dataset", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _port_t5(module):
+    for step in port_support.load().after_import_steps("megatron.core.datasets.t5_dataset"):
+        step(module)
+    return module
+
+
+def test_unfixed_a_t5_sample_without_masked_spans_fails_and_the_shim_answers_it(tmp_path):
+    module = _t5_module(tmp_path)
+    with pytest.raises(UnboundLocalError, match="labels") as raised:
+        module.T5MaskedWordPieceDataset([])[0]
+    assert registry.pick([failure.from_exception(raised.value)], []) == "t5-decoder-output-pads"
+    assert module.T5MaskedWordPieceDataset([([1], [3, 7])])[0]["labels"].tolist() == [3, 7, 7]  # pads kept
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_t5_zeroes_its_decoder_outputs_pads_as_upstreams_fix_does(tmp_path, fix):
+    module = _t5_module(tmp_path)
+    if fix == "port":
+        _port_t5(module)
+    else:
+        registry.REGISTRY["t5-decoder-output-pads"].decoder_output_pads(module)
+    assert module.T5MaskedWordPieceDataset([])[0]["labels"].tolist() == [0]
+    assert module.T5MaskedWordPieceDataset([([1], [3, 7])])[0]["labels"].tolist() == [3, 0, 0]
+
+
+def test_where_the_window_s_statement_is_absent_the_port_leaves_t5_alone(tmp_path):
+    module = _t5_module(tmp_path, T5_DATASET.replace("labels[labels ==", "decoder_output[decoder_output =="))
+    method = module.T5MaskedWordPieceDataset.__getitem__
+    assert _port_t5(module).T5MaskedWordPieceDataset.__getitem__ is method
+    assert registry.applies("t5-decoder-output-pads", str(tmp_path)) is False

@@ -45,6 +45,7 @@ from .upstream_fixes import (
     _chained_optimizers_clip_by_one_norm,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
+    _t5_decoder_output_pads_zeroed,
     _weights_gathered_before_save,
 )
 from .te_features import (
@@ -94,6 +95,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.legacy.model.utils": _norm_without_the_removed_flag,
     "megatron.core.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,
     "megatron.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,  # its name until 2024-02-13
+    "megatron.core.datasets.t5_dataset": _t5_decoder_output_pads_zeroed,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

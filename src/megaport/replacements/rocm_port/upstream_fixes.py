@@ -1,11 +1,14 @@
-"""Upstream's own bugs in a window of its history that stop a layout on every machine, ported or
-not, fixed where the port loads anyway (an after-import step, :mod:`.hooks`), so one fix reaches
+"""Upstream's own bugs in a window of its history that stop a layout or a model family on every
+machine, ported or not, fixed where the port loads anyway (an after-import step, :mod:`.hooks`), so one fix reaches
 every commit of the window whatever series ports it. Each step names the commits that opened and
 closed its window; the unported baseline gets the same fix, written apart, as a listed shim."""
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 
 import torch
 
@@ -234,3 +237,56 @@ def _chained_optimizers_clip_by_one_norm(module) -> None:
 
     step_clipping_by_one_norm.__rocm_port_one_norm__ = True
     chained.step = step_clipping_by_one_norm
+
+
+_T5_LABELS = ("T5's dataset zeroes the pad tokens of its decoder output, as upstream's 9ddbce3aa2 does (it named "
+              "a loop variable, 'labels', and failed on a sample without masked spans)")
+
+
+class _DecoderOutputForLabels(ast.NodeTransformer):
+    """``labels[labels == X] = 0`` -> ``decoder_output[decoder_output == X] = 0``: upstream's
+    9ddbce3aa2, the one statement it changed; ``found`` says whether the statement was there."""
+
+    found = False
+
+    def visit_Assign(self, node):
+        target = node.targets[0] if len(node.targets) == 1 else None
+        if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == "labels"
+                and isinstance(target.slice, ast.Compare) and isinstance(target.slice.left, ast.Name)
+                and target.slice.left.id == "labels"):
+            target.value.id = target.slice.left.id = "decoder_output"
+            self.found = True
+        return node
+
+
+def _t5_decoder_output_pads_zeroed(module) -> None:
+    """Upstream from 75c07217d1 (main 2025-10-29; core 0.16.0 and 0.16.1 ship it) until 9ddbce3aa2
+    (2026-02-09): ``T5MaskedWordPieceDataset.__getitem__`` zeroes the pad tokens of
+    ``labels[labels == pad]``, the loop variable of its masked spans, where the decoder output was
+    meant: a sample without masked spans fails (``UnboundLocalError``; T5 stopped at iteration 17 on
+    a 2025-11 commit), and the decoder output keeps its pads. A series patch cannot carry it: the
+    statement exists in 0.16.x alone of core-0.13-0.16's range, and ``git am`` of a hunk absent
+    from 0.13 … 0.15 would refuse them. So upstream's own method is compiled again with the one
+    statement 9ddbce3aa2 changed (its syntax tree, not its text, so nothing else can change), in
+    its module's globals and under its own file and line numbers; where the statement is absent,
+    nothing changes."""
+    dataset = getattr(module, "T5MaskedWordPieceDataset", None)
+    method = getattr(dataset, "__getitem__", None)
+    if method is None or getattr(method, "__rocm_port_t5_labels__", False):
+        return
+    try:
+        lines, first = inspect.getsourcelines(method)
+    except (OSError, TypeError):
+        return
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    fix = _DecoderOutputForLabels()
+    tree = fix.visit(tree)
+    if not fix.found:
+        return
+    ast.increment_lineno(tree, first - 1)
+    made: dict = {}
+    exec(compile(tree, inspect.getsourcefile(method), "exec"), vars(module), made)  # upstream's own code
+    fixed = functools.wraps(method)(made[method.__name__])
+    fixed.__rocm_port_t5_labels__ = True
+    dataset.__getitem__ = fixed
+    say_once(_T5_LABELS)
