@@ -260,16 +260,16 @@ class _DecoderOutputForLabels(ast.NodeTransformer):
 
 
 def _t5_decoder_output_pads_zeroed(module) -> None:
-    """Upstream from 75c07217d1 (main 2025-10-29; core 0.16.0 and 0.16.1 ship it) until 9ddbce3aa2
-    (2026-02-09): ``T5MaskedWordPieceDataset.__getitem__`` zeroes the pad tokens of
+    """Upstream main from 75c07217d1 (2025-10-29) until 9ddbce3aa2 (2026-02-09; the core 0.16
+    releases carry the fix): ``T5MaskedWordPieceDataset.__getitem__`` zeroes the pad tokens of
     ``labels[labels == pad]``, the loop variable of its masked spans, where the decoder output was
     meant: a sample without masked spans fails (``UnboundLocalError``; T5 stopped at iteration 17 on
     a 2025-11 commit), and the decoder output keeps its pads. A series patch cannot carry it: the
-    statement exists in 0.16.x alone of core-0.13-0.16's range, and ``git am`` of a hunk absent
-    from 0.13 … 0.15 would refuse them. So upstream's own method is compiled again with the one
-    statement 9ddbce3aa2 changed (its syntax tree, not its text, so nothing else can change), in
-    its module's globals and under its own file and line numbers; where the statement is absent,
-    nothing changes."""
+    statement exists in three months of main alone, inside the ranges of series whose other
+    commits lack it (``git am`` of a hunk they lack would refuse them). So upstream's own method is
+    compiled again with the one statement 9ddbce3aa2 changed (its syntax tree, not its text, so
+    nothing else can change), in its module's globals and under its own file and line numbers;
+    where the statement is absent, nothing changes."""
     dataset = getattr(module, "T5MaskedWordPieceDataset", None)
     method = getattr(dataset, "__getitem__", None)
     if method is None or getattr(method, "__rocm_port_t5_labels__", False):

@@ -1,6 +1,6 @@
 """``t5-decoder-output-pads``: T5's dataset zeroes its decoder output's pads, as upstream's 9ddbce3aa2 does.
 
-From 75c07217d1 (main 2025-10-29; core 0.16.0 and 0.16.1 ship it) until 9ddbce3aa2 (2026-02-09)
+On main from 75c07217d1 (2025-10-29) until 9ddbce3aa2 (2026-02-09; the core 0.16 releases carry the fix)
 ``T5MaskedWordPieceDataset.__getitem__`` ends with ``labels[labels == self._pad_token_id] = 0``,
 ``labels`` being its masked spans' loop variable: a sample without masked spans raises
 ``UnboundLocalError`` and the run stops (on a 2025-11 commit at iteration 17). Here the method's
@@ -18,10 +18,10 @@ from megaport.train.shims._pattern import Match
 from megaport.train.tree_files import tree_says
 
 NAME = "t5-decoder-output-pads"
-DESCRIPTION = ("main 2025-10-29 (75c07217d1) … 2026-02-09 (9ddbce3aa2), core 0.16.x: T5's dataset zeroed the pads of "
+DESCRIPTION = ("main 2025-10-29 (75c07217d1) … 2026-02-09 (9ddbce3aa2): T5's dataset zeroed the pads of "
                "its masked spans' loop variable, not of its decoder output, and failed on a sample without masked "
                "spans; the decoder output's, as upstream's 9ddbce3aa2")
-ERAS = "main 2025-10-29 (75c07217d1) … 2026-02-09 (9ddbce3aa2); core_v0.16.0, core_v0.16.1"
+ERAS = "main 2025-10-29 (75c07217d1) … 2026-02-09 (9ddbce3aa2)"
 REPRODUCES = "upstream's 9ddbce3aa2 (fix: T5 dataset)"
 BROKEN = "labels[labels == self._pad_token_id] = 0"
 FIXED = "decoder_output[decoder_output == self._pad_token_id] = 0"
