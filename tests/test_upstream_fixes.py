@@ -372,6 +372,19 @@ def test_unfixed_a_t5_sample_without_masked_spans_fails_and_the_shim_answers_it(
     assert module.T5MaskedWordPieceDataset([([1], [3, 7])])[0]["labels"].tolist() == [3, 7, 7]  # pads kept
 
 
+def test_the_shim_answers_the_failure_a_dataloader_worker_re_raises(tmp_path):
+    """With DataLoader workers the main process raises ``UnboundLocalError("Caught UnboundLocalError in
+    DataLoader worker process 1.\nOriginal Traceback ...")``: the worker's frames are text."""
+    module = _t5_module(tmp_path)
+    with pytest.raises(UnboundLocalError) as raised:
+        module.T5MaskedWordPieceDataset([])[0]
+    import traceback
+
+    worker = "".join(traceback.format_exception(raised.value))
+    reraised = UnboundLocalError(f"Caught UnboundLocalError in DataLoader worker process 1.\nOriginal {worker}")
+    assert registry.pick([failure.from_exception(reraised)], []) == "t5-decoder-output-pads"
+
+
 @pytest.mark.parametrize("fix", ["port", "shim"])
 def test_t5_zeroes_its_decoder_outputs_pads_as_upstreams_fix_does(tmp_path, fix):
     module = _t5_module(tmp_path)

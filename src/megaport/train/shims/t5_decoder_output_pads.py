@@ -25,7 +25,9 @@ ERAS = "main 2025-10-29 (75c07217d1) … 2026-02-09 (9ddbce3aa2)"
 REPRODUCES = "upstream's 9ddbce3aa2 (fix: T5 dataset)"
 BROKEN = "labels[labels == self._pad_token_id] = 0"
 FIXED = "decoder_output[decoder_output == self._pad_token_id] = 0"
-PATTERN = (Match(("UnboundLocalError",), message=r"'labels'", file=r"t5_dataset\.py"),)
+PATTERN = (Match(("UnboundLocalError",), message=r"'labels'", file=r"t5_dataset\.py"),
+           # raised in a DataLoader worker: the main process re-raises it with the worker's traceback as text
+           Match(("UnboundLocalError",), message=r"t5_dataset\.py[\s\S]*local variable 'labels'"))
 
 
 def applies(tree: str) -> bool:
