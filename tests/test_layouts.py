@@ -418,6 +418,21 @@ def test_mixtral_layouts_are_compared_in_fp32_with_sequential_experts_where_grou
     assert "--bf16" not in dict(one_rank.base_run(context, "llama", layouts.get("tp2")).left_out)
 
 
+def test_mixtral_layouts_build_sequential_experts_where_grouped_mlp_itself_takes_bf16_alone(tmp_path):
+    """main 2025-12-22 … 2026-03-04 (core 0.16.1): the argument check gone, GroupedMLP's forward still
+    asserts bf16 (a tree without TE builds it): core 0.16.1's fp32 EP2 failed there."""
+    from megaport.train.checks import one_rank
+    from megaport.train.checks.spec import Context
+
+    tree = _tree(tmp_path, ["--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-grouped-gemm",
+                            *LLAMA_FLAGS])
+    context = Context(tree, None, False, {}, str(tmp_path / "w"))
+    experts = Path(tree, "megatron", "core", "transformer", "moe", "experts.py")
+    experts.parent.mkdir(parents=True)
+    experts.write_text('        assert self.config.bf16, "Currently GroupedMLP for MoE only supports bf16."\n')
+    assert {"--bf16", "--moe-grouped-gemm"} <= set(dict(one_rank.base_run(context, "mixtral", layouts.get("ep2")).left_out))
+
+
 def test_the_way_back_is_planned_for_the_layouts_that_split_weights_where_checkpoints_reshard(tmp_path):
     flags = ["--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
              "--use-distributed-optimizer", *LLAMA_FLAGS]

@@ -16,8 +16,12 @@ def _sizes(sizes: example.Sizes, tree: str) -> dict:
             "--lr-warmup-iters": [max(1, sizes.steps // 10)]}
 
 
-#: what the era's argument checks say where grouped-GEMM experts take bf16 alone (core 0.5 … 0.8)
-_GROUPED_GEMM_BF16_ONLY = "GroupedGEMM for MoE only supports bf16"
+#: what the era says where grouped-GEMM experts take bf16 alone: its argument checks (core 0.5 …
+#: 0.8), then, once upstream dropped that check (4193f3aa9b, 2025-12-22), GroupedMLP's forward, which
+#: a tree without TE builds, until upstream removed GroupedMLP (2caa681a1d, 2026-03-04): core 0.16.1's
+#: fp32 EP2 failed there. ((files, text), ...)
+_GROUPED_GEMM_BF16_ONLY = ((example.ARGUMENT_FILES, "GroupedGEMM for MoE only supports bf16"),
+                           (("megatron/core/transformer/moe/experts.py",), "GroupedMLP for MoE only supports bf16"))
 
 
 def _compared_in_fp32(tree: str) -> tuple:
@@ -28,7 +32,7 @@ def _compared_in_fp32(tree: str) -> tuple:
     experts where the era's grouped GEMM takes bf16 alone."""
     left_out = (("--bf16", "layouts are compared in fp32: bf16's rounding of a split's partial sums turns top-2 "
                            "routing to other experts"),)
-    if any(tree_says(tree, path, _GROUPED_GEMM_BF16_ONLY) for path in example.ARGUMENT_FILES):
+    if any(tree_says(tree, path, text) for paths, text in _GROUPED_GEMM_BF16_ONLY for path in paths):
         left_out += (("--moe-grouped-gemm", "this era's grouped GEMM takes bf16 alone: the fp32 layout comparison "
                                             "builds the sequential experts (the same experts, one GEMM each)"),)
     return left_out
