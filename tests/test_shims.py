@@ -56,7 +56,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 27
+    assert len(registry.REGISTRY) == 29
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -748,7 +748,8 @@ q.grad = r.grad = torch.full((3,), 0.5)
 FusedAdam([q], lr=0.1, weight_decay=0.1).step()
 torch.optim.AdamW([r], lr=0.1, weight_decay=0.1).step()
 print(json.dumps({
-    "is_fused_adam": isinstance(adam, FusedAdam) and torch.equal(q, r),
+    "is_fused_adam": isinstance(adam, FusedAdam) and torch.allclose(q, r, rtol=1e-6, atol=1e-7),
+    "apex_state": adam.param_groups[0]["step"] == 1 and set(adam.state[p]) == {"exp_avg", "exp_avg_sq"},
     "layer_norm": torch.allclose(out, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5), atol=1e-5),
     "l2norm": torch.allclose(total, torch.cat([g.flatten() for g in grads]).norm().reshape(1)),
     "scale": all(torch.equal(s, g * 0.5) for s, g in zip(scaled, grads)),
@@ -776,9 +777,47 @@ def test_a_planted_fault_in_the_ports_standins_never_reaches_the_baseline(tmp_pa
         text = text.replace(good, bad)
     port.write_text(text, encoding="utf-8")
     stdout, loaded = _run_baseline_process(_APEX_VALUES, ["apex"], tmp_path, src=copy)
-    assert json.loads(stdout.splitlines()[-1]) == {"is_fused_adam": True, "layer_norm": True, "l2norm": True, "scale": True,
-                                                  "adam": True}
+    assert json.loads(stdout.splitlines()[-1]) == {"is_fused_adam": True, "apex_state": True, "layer_norm": True,
+                                                  "l2norm": True, "scale": True, "adam": True}
     assert loaded == []
+
+
+def test_apex_shims_fused_adam_keeps_apex_s_state_and_torch_s_values():
+    """An NVIDIA box's checkpoint holds apex's layout (the step in the param group, no per-parameter
+    step), which the baseline's stand-in writes and reads back; its updates are AdamW's (L2 Adam's
+    with ``adam_w_mode=False``), a resumed optimizer stepping on as the uninterrupted one."""
+    import copy
+
+    import torch
+
+    from megaport.train.shims import apex_pytorch as apex
+
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+
+    def grads(ps, step):
+        for i, p in enumerate(ps):
+            p.grad = torch.full_like(p, 0.1 * (step + 1) * (i + 1)) * torch.sign(p.detach())
+
+    for w_mode, reference in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
+        ours, theirs = params(), params()
+        fused, torch_adam = apex.FusedAdam(ours, lr=0.05, weight_decay=0.1, adam_w_mode=w_mode), \
+            reference(theirs, lr=0.05, weight_decay=0.1)
+        for step in range(3):
+            grads(ours, step), grads(theirs, step)
+            fused.step(), torch_adam.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert fused.state_dict()["param_groups"][0]["step"] == 3
+    assert all(set(s) == {"exp_avg", "exp_avg_sq"} for s in fused.state_dict()["state"].values())
+    resumed_params = [p.detach().clone().requires_grad_() for p in ours]
+    resumed = apex.FusedAdam(resumed_params, lr=0.05, weight_decay=0.1, adam_w_mode=False)
+    resumed.load_state_dict(copy.deepcopy(fused.state_dict()))  # as a checkpoint gives it: no tensor shared
+    grads(ours, 3), grads(resumed_params, 3)
+    fused.step(), resumed.step()
+    for a, b in zip(ours, resumed_params):
+        assert torch.equal(a, b)
 
 
 def test_apex_shim_agrees_with_torch_in_mixed_precision_and_backward():

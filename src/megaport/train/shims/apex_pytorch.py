@@ -187,7 +187,14 @@ wgrad_extension = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum, 
 
 class FusedAdam(torch.optim.Adam):
     """apex's FusedAdam: Adam with decoupled weight decay (``adam_w_mode=True``, its default, is
-    AdamW) or L2 (``adam_w_mode=False``); apex's other arguments accepted. The step is torch's.
+    AdamW) or L2 (``adam_w_mode=False``); apex's other arguments accepted.
+
+    Its state is laid out as apex's is, because checkpoints carry it: the step count in each param
+    group (``group["step"]``), ``exp_avg`` and ``exp_avg_sq`` per parameter and no per-parameter
+    ``step``. Upstream's distributed optimizer builds and reloads exactly that where apex or TE is
+    present (an NVIDIA box), and a checkpoint written there holds it. The update is apex's
+    multi_tensor_adam: ``m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps)``, plus ``wd * p`` (AdamW) in the
+    update or ``wd * p`` in the gradient (L2), in fp32 plain loops.
 
     A subclass, not a factory of torch's optimizers: upstream's distributed optimizer asserts
     ``isinstance(optimizer, FusedAdam)`` (core 0.6 on: "Only Adam currently supported")."""
@@ -196,8 +203,39 @@ class FusedAdam(torch.optim.Adam):
                  weight_decay=0.0, amsgrad=False, **apex_only):
         if not bias_correction:
             raise ValueError("FusedAdam(bias_correction=False) has no torch equivalent")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         decoupled_weight_decay=adam_w_mode)
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")  # apex's own refusal
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.adam_w_mode = adam_w_mode
+
+    def __setstate__(self, state):
+        """A loaded state as apex keeps it: torch's Adam would ask each parameter's for a ``step``."""
+        torch.optim.Optimizer.__setstate__(self, state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (beta1, beta2), lr, eps, decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            first, second = 1 - beta1 ** group["step"], 1 - beta2 ** group["step"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+                grad, weight = param.grad.float(), param.float()
+                if not self.adam_w_mode and decay:
+                    grad = grad + decay * weight
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                update = (state["exp_avg"] / first) / ((state["exp_avg_sq"] / second).sqrt() + eps)
+                if self.adam_w_mode and decay:
+                    update = update + decay * weight
+                param.copy_(weight - lr * update)
+        return loss
 
 
 class FusedSGD(torch.optim.SGD):
