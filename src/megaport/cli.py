@@ -301,7 +301,8 @@ def lint(patches, fmt):
               help="What each layout is compared with: one-rank (one rank from the same checkpoint), "
                    "upstream (unported upstream in the same layout), tp-replicas (under sequence parallelism, the "
                    "TP ranks' copies of the norms stay equal), resume (saved halfway and resumed = uninterrupted, "
-                   "where the optimizer is sharded), layout-change (tp2/pp2/ep2's checkpoint loads on one rank); "
+                   "where the optimizer is sharded), layout-change (tp2/pp2/ep2's checkpoint loads on one rank), cross-load "
+                   "(unported upstream resumes the port's checkpoint and the port upstream's); "
                    "default: all, where they apply.")
 @handle_errors
 def verify(tree, device, json_file, junit_file, keyword, strict, patches, models, layouts, checks):

@@ -72,17 +72,18 @@ def with_fewest_shims(start, env: dict, *, attempts: int = 8, first: tuple = ())
     raise RuntimeError(f"the unported upstream did not start even with the shims {names}")
 
 
-def run_unported(run, sha: str) -> tuple[dict, list]:
+def run_unported(run, sha: str, also: tuple = ()) -> tuple[dict, list]:
     """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
     given (its mode, sizes, learning rate and dropout): (the result, the shims it needed, listed in
-    the result)."""
+    the result). ``also``: shims a check starts it with beside the family's (what the box it stands
+    for has, such as apex)."""
     from megaport.train.families import registry
     from megaport.train.pretrain import run_pretrain
 
     with unported_upstream(run.tree, sha) as (folder, env):
         upstream = dataclasses.replace(run, tree=folder)
         result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env,
-                                          first=[name for name in registry.get(run.family).baseline_shims
-                                                 if shims.applies(name, folder)])
+                                          first=[*also, *(name for name in registry.get(run.family).baseline_shims
+                                                          if shims.applies(name, folder) and name not in also)])
     result["baseline_shims"] = [shims.describe(s) for s in names]
     return result, names

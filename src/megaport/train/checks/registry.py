@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from megaport.errors import MegaportError
-from megaport.train.checks import layout_change, one_rank, resume, tp_replicas, upstream_parity
+from megaport.train.checks import cross_load, layout_change, one_rank, resume, tp_replicas, upstream_parity
 
 #: name -> check, in the order a planned run's checks run
-CHECKS = {c.name: c for c in (one_rank.CHECK, upstream_parity.CHECK, tp_replicas.CHECK, resume.CHECK, layout_change.CHECK)}
+CHECKS = {c.name: c for c in (one_rank.CHECK, upstream_parity.CHECK, tp_replicas.CHECK, resume.CHECK, layout_change.CHECK,
+                                     cross_load.CHECK)}
 
 
 def select(requested: str | None) -> list:

@@ -52,14 +52,19 @@ def _resumed_runs(context: Context, family: str, layout) -> dict:
 
     def make() -> dict:
         folder = os.path.join(context.workdir, f"resume-{family}-{layout.name}-{one_rank.shared_count()}")
-        runs = {"uninterrupted": pretrain.run_pretrain(base, context.env),
+        runs = {"folder": folder, "uninterrupted": pretrain.run_pretrain(base, context.env),
                 "saved": pretrain.run_pretrain(_checkpoint_run(base, folder, False), context.env)}
         try:
             runs["resumed"] = pretrain.run_pretrain(_checkpoint_run(base, folder, True), context.env)
         except RuntimeError as exc:  # a resume that trains nothing is an error, kept with its log's end
-            runs["resumed"] = {"iterations": [], "losses": [], "grad_norms": [], "error": str(exc)}
+            runs["resumed"] = failed_resume(exc)
         return runs
     return one_rank.once(one_rank.key(context, base) + ("resume", layout.name), make)
+
+
+def failed_resume(exc: Exception) -> dict:
+    """A resume that died, as a run that logged nothing, with the error's text kept."""
+    return {"iterations": [], "losses": [], "grad_norms": [], "error": str(exc)}
 
 
 def _expected(tree: str, uninterrupted: dict) -> dict:
@@ -87,11 +92,16 @@ def resume_problems(runs: dict, compared: dict) -> list:
     return problems + parity.parity_problems(compared, len(whole), yardstick="the uninterrupted run")
 
 
+def joined_against(tree: str, runs: dict) -> dict:
+    """The saved run then the resumed one, against the uninterrupted run (loss parity's figures)."""
+    joined = {k: runs["saved"][k] + runs["resumed"][k] for k in ("iterations", "losses", "grad_norms")}
+    return parity.loss_parity(joined, _expected(tree, runs["uninterrupted"]))
+
+
 def _one(context: Context, family: str, layout) -> dict:
     """``layout``'s resume against its uninterrupted run."""
     runs = _resumed_runs(context, family, layout)
-    joined = {k: runs["saved"][k] + runs["resumed"][k] for k in ("iterations", "losses", "grad_norms")}
-    compared = parity.loss_parity(joined, _expected(context.tree, runs["uninterrupted"]))
+    compared = joined_against(context.tree, runs)
     steps = len(runs["uninterrupted"]["iterations"])
     compared.update(against=f"the uninterrupted {steps}-iteration run, same layout",
                     saved_at=saved_at(steps), resumed_iterations=runs["resumed"]["iterations"],
