@@ -14,6 +14,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from megaport.errors import MegaportError
 from megaport.train.tree_files import first_file, tree_says, tree_text
 
 #: The example scripts, newest layout first; a tree that has one is read.
@@ -154,8 +155,22 @@ def parser_help_flags(tree: str) -> frozenset:
                                "pretrain_gpt.py"], cwd=folder, env=with_paths_first(None, folder),
                               capture_output=True, text=True, stdin=subprocess.DEVNULL)
         lines = [line[len(OPTIONS):] for line in proc.stdout.splitlines() if line.startswith(OPTIONS)]
-        _HELP_CACHE[tree] = frozenset(json.loads(lines[0]) if lines else ())
+        if not lines:  # no parser, no era facts: every flag would read as absent and its layouts vanish
+            raise MegaportError(f"upstream's pretrain_gpt.py ({folder}) stopped before its argument parser, so "
+                                f"the era's flags cannot be read: {_last_error(proc.stderr)}", exit_code=2)
+        _HELP_CACHE[tree] = frozenset(json.loads(lines[0]))
     return _HELP_CACHE[tree]
+
+
+def _last_error(stderr: str) -> str:
+    """The exception line of a traceback, with what to do where a package is missing."""
+    import re
+
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    error = next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)),
+                 lines[-1] if lines else "no output")
+    missing = re.match(r"ModuleNotFoundError: No module named '([\w]+)", error)
+    return f"{error} (upstream imports it: pip install {missing.group(1)})" if missing else error
 
 
 def _unported_folder(tree: str) -> str:
