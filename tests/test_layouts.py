@@ -523,3 +523,21 @@ def test_the_way_back_holds_where_the_loss_rises_a_little_over_its_ten_iteration
     compared = layout_change.compare(Context(str(tmp_path), None, False, {}, str(tmp_path)), "llama",
                                      layouts.get("tp2"))
     assert compared["problems"] == []
+
+
+def test_the_shared_start_is_drawn_on_the_device_where_the_era_drew_on_the_cpu_by_default(tmp_path, monkeypatch):
+    """main 2024-03-19 … 03-27 drew its weights on the CPU unless --use-gpu-initialization: the one
+    rank that writes the shared start asks for the device draw every other era makes (from the CPU
+    draw GPT TP2xPP2 and one rank drifted 7.4 % apart in fp16, on the next era's code too)."""
+    from megaport.train import pretrain
+    from megaport.train.checks import one_rank
+    from megaport.train.checks.spec import Context
+
+    written = []
+    monkeypatch.setattr(pretrain, "run_pretrain", lambda run, env=None, **kw: written.append(run) or {})
+    for flags, drawn in ((["--use-gpu-initialization", "--use-dist-ckpt"], True), (["--use-dist-ckpt"], False)):
+        tree = _tree(tmp_path / str(drawn), ["--tensor-model-parallel-size", *flags, *LLAMA_FLAGS])
+        context = Context(tree, None, False, {}, str(tmp_path / f"w{drawn}"))
+        one_rank.shared_start(context, one_rank.base_run(context, "llama", layouts.get("tp2")))
+        extra = [f for added, _ in written[-1].extra for f in added]
+        assert ("--use-gpu-initialization" in extra) is drawn
