@@ -266,3 +266,35 @@ def test_the_model_space_state_leaves_the_step_to_the_param_groups(rp, capsys):
     assert torch.equal(optimizer.optimizer.state[optimizer.optimizer.param_groups[0]["params"][0]]["exp_avg"],
                        saved[0]["exp_avg"])
     assert capsys.readouterr().out.count("> ROCm port: the distributed optimizer's fully_sharded_model_space") == 1
+
+
+class _UpstreamFp32DpReshardable(_UpstreamDpReshardable):
+    """main 2026-08's write-back in fp32: the main param is a view of the model's parameter (a leaf
+    that requires grad), and the in-place copy runs without ``torch.no_grad()``."""
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst_tensors = {"param": main_param.view(-1), **self.optimizer.state[main_param]}
+        for key in dst_tensors:
+            if isinstance(tensors.get(key), torch.Tensor):
+                dst_tensors[key].copy_(tensors[key])
+
+
+def test_an_fp32_resume_writes_the_main_params_back_without_autograd(rp):
+    """Mixtral's fp32 resume on main 2026-08 failed "a view of a leaf Variable that requires grad is
+    being used in an in-place operation" there; the port writes the state back under no_grad."""
+    unported = _module(upstream=_UpstreamFp32DpReshardable).DistributedOptimizer(_params())
+    _train(unported.optimizer, 1)
+    saved = [{k: v.detach().clone() for k, v in t.items()} for t in unported.get_parameter_state_dp_reshardable()[0][
+        torch.float32][0]]
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable"):
+        unported._set_main_param_and_optimizer_states(next(iter(unported.model_param_group_index_map)), saved[0])
+    module = _module(upstream=_UpstreamFp32DpReshardable)
+    for step in rp.after_import_steps(MODULE):
+        step(module)
+    ported = module.DistributedOptimizer(_params())
+    _train(ported.optimizer, 1)
+    for model_param, tensors in zip(ported.model_param_group_index_map, saved):
+        ported._set_main_param_and_optimizer_states(model_param, {k: v for k, v in tensors.items() if k != "step"})
+    assert all(torch.equal(p, t["param"]) for p, t in zip(ported.optimizer.param_groups[0]["params"], saved))

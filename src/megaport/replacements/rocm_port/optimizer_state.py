@@ -118,7 +118,10 @@ def _param_state_without_step(module) -> None:
     buffer: without apex or TE the first save with ``--use-distributed-optimizer`` fails
     ``AssertionError: (torch.Size([]), 0, N)``. As f4502eb1c9 and the other formats have it, the step
     is no part of the parameter state (its param groups hold it): left out where the state is read,
-    and kept as it is where the state is written back."""
+    and kept as it is where the state is written back. Written back without autograd: in fp32 the
+    main param is a view of the model's parameter, a leaf that requires grad, and upstream's in-place
+    copy into it failed every fp32 resume in this format ("a view of a leaf Variable that requires
+    grad is being used in an in-place operation"; main 2026-08, Mixtral)."""
     cls = getattr(module, "DistributedOptimizer", None)
     get_state = getattr(cls, "get_parameter_state_dp_reshardable", None)
     if get_state is None or getattr(module, "HAVE_APEX_OR_TE", True) or getattr(get_state, "_rocm_port", False):
@@ -141,7 +144,8 @@ def _param_state_without_step(module) -> None:
     def step_kept(self, model_param, tensors):
         aware = getattr(self.config, "use_precision_aware_optimizer", False)  # TE's FusedAdam: no torch step
         step = None if "step" in tensors or aware else _main_param_step(self, model_param)
-        return set_states(self, model_param, tensors if step is None else {**tensors, "step": step})
+        with torch.no_grad():  # fp32: the main param is a view of the model's, a leaf that requires grad
+            return set_states(self, model_param, tensors if step is None else {**tensors, "step": step})
 
     without_step._rocm_port = step_kept._rocm_port = True
     cls.get_parameter_state_dp_reshardable, cls._set_main_param_and_optimizer_states = without_step, step_kept

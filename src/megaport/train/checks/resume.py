@@ -35,9 +35,18 @@ SHARDED_OPTIMIZER = "--use-distributed-optimizer"
 _FIRST_LOG_KEPT = ("megatron/training/training.py", "should_reset = not is_first_iteration")
 
 
+#: what an example script may say that keeps a resume from loading, or a save from writing, what a
+#: preempted run needs (main's Mixtral script ends ``--no-load-optim --no-load-rng``: it starts from
+#: converted weights): each left out of the runs that save and resume, said in their notes
+_NOT_RESUMED = tuple((flag, "a resume loads the optimizer, RNG and data position it saved (the example script's "
+                            "flag for starting from converted weights)")
+                     for flag in ("--no-load-optim", "--no-load-rng", "--finetune", "--no-save-optim", "--no-save-rng"))
+
+
 def _checkpoint_run(run: pretrain.Run, folder: str, resumed: bool) -> pretrain.Run:
     """``run`` saving at :func:`saved_at` and exiting, or (``resumed``) loading that checkpoint."""
     at = saved_at(run.sizes.steps)
+    run = dataclasses.replace(run, left_out=run.left_out + _NOT_RESUMED)
     if resumed:
         added = (("--load", folder), f"resumes from iteration {at}'s checkpoint (optimizer, RNG, data position)")
     else:
