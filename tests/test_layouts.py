@@ -541,3 +541,18 @@ def test_the_shared_start_is_drawn_on_the_device_where_the_era_drew_on_the_cpu_b
         one_rank.shared_start(context, one_rank.base_run(context, "llama", layouts.get("tp2")))
         extra = [f for added, _ in written[-1].extra for f in added]
         assert ("--use-gpu-initialization" in extra) is drawn
+
+
+def test_an_era_without_the_layouts_families_trains_it_with_gpt(tmp_path):
+    """main 2022-05 has sequence parallelism and the distributed optimizer but no Llama (no
+    --swiglu): GPT trains those layouts; EP, which needs experts, stays absent."""
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+                            "--pipeline-model-parallel-size"])
+    runs, absent = plan.plan(tree, [layouts.get(n) for n in ("tp2-sp", "dp2-distopt", "pp2", "ep2")],
+                             [checks.CHECKS["one-rank"], checks.CHECKS["upstream"]])
+    assert [r.id for r in runs] == ["gpt-tp2-sp-one-rank", "gpt-dp2-distopt-one-rank", "gpt-dp2-distopt-upstream",
+                                    "gpt-pp2-upstream"]  # 2022's pipeline stages: against upstream (no reshard)
+    assert not any(a.layout == "ep2" for a in absent)  # no experts, no family to train it: not planned at all
+    with_llama = _tree(tmp_path / "llama", ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
+    assert [r.id for r in plan.plan(with_llama, [layouts.get("tp2-sp")], [checks.CHECKS["one-rank"]])[0]] == \
+        ["llama-tp2-sp-one-rank"]

@@ -48,7 +48,7 @@ def plan(tree: str, layouts: list, checks: list, *, models: list | None = None) 
     present = {f.name: f for f in families.families_for(tree)}
     runs, absent = [], []
     for layout in layouts:
-        names = models if models is not None else [n for n in layout.families if n in present]
+        names = models if models is not None else _default_families(layout, present)
         for name in names:
             family = present.get(name) or families.get(name)
             why = _why_absent(tree, family, layout, name in present)
@@ -62,6 +62,16 @@ def plan(tree: str, layouts: list, checks: list, *, models: list | None = None) 
                 else:
                     absent.append(Absent(name, layout.name, why_not, check.name))
     return runs, absent
+
+
+def _default_families(layout: Layout, present: dict) -> list:
+    """The families ``layout`` names that the tree has; where it has none of them, the family every
+    era has (:data:`~megaport.train.families.registry.EVERY_ERA`), unless the layout splits experts:
+    2022's sequence parallelism and distributed optimizer train with GPT before Llama existed."""
+    named = [n for n in layout.families if n in present]
+    if named or layout.experts or families.EVERY_ERA not in present:
+        return named
+    return [families.EVERY_ERA]
 
 
 def _why_absent(tree: str, family: Family, layout: Layout, present: bool) -> str | None:

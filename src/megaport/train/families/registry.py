@@ -12,6 +12,12 @@ FAMILIES = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, llama.FAMILY
                                 deepseek.FAMILY, ds_moe.FAMILY, megablocks_moe.FAMILY)}
 
 
+#: the family every era has (its ``present`` is always true): it trains a layout in the eras that
+#: have none of the families the layout names (SP, the distributed optimizer and interleaved
+#: pipelines came to Megatron years before Llama did)
+EVERY_ERA = gpt.FAMILY.name
+
+
 def get(name: str) -> Family:
     """The family called ``name``; a one-line error listing the known ones otherwise."""
     try:
