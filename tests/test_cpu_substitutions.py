@@ -349,6 +349,18 @@ def _gloo_s_own(rank, name, dtype) -> bool:
     return torch.equal(got, torch.cat([t[:2] for t in per_rank]))
 
 
+def _gather_requiring_grad(rank) -> bool:
+    """2022's pipeline scatter-gather: each rank's piece of a recv buffer made with requires_grad=True,
+    gathered with ``_all_gather_base`` into one flat tensor."""
+    piece = torch.full((3,), float(rank + 1), requires_grad=True)
+    gathered = torch.empty(3 * WORLD)
+    torch.distributed._all_gather_base(gathered, piece)
+    # gloo under autograd refuses on some rank, and where it completes leaves the output a grad_fn
+    # (WarnNotImplemented): NCCL's gathered buffer is a plain tensor
+    return gathered.grad_fn is None and torch.equal(gathered, torch.cat([torch.full((3,), float(r + 1))
+                                                                         for r in range(WORLD)]))
+
+
 class _AllToAll(torch.autograd.Function):
     """Megatron's tensor_parallel.mappings._AllToAll: backward is the all-to-all with the splits swapped."""
 
@@ -394,6 +406,7 @@ def _collective_cases() -> dict:
             cases[f"all_gather-{gname}-{dname}"] = lambda rank, c=counts, d=dtype: _gather_list(rank, c, d)
         for name in ("reduce_scatter_tensor", "_reduce_scatter_base", "all_gather_into_tensor", "_all_gather_base"):
             cases[f"{name}-{dname}"] = lambda rank, n=name, d=dtype: _gloo_s_own(rank, n, d)
+    cases["_all_gather_base-requires-grad"] = _gather_requiring_grad
     cases["all_to_all_single-uneven-async"] = lambda rank: _a2a_single(rank, SPLITS["uneven"], torch.float32,
                                                                        "tensor", True)
     cases["all_to_all-uneven-async"] = lambda rank: _a2a_lists(rank, SPLITS["uneven"], torch.float32, True)
@@ -442,7 +455,8 @@ def _run_ranks(tmp_path, substituted: bool, names) -> list:
 #: Without the row, gloo's answer: refused (by both ranks before any data moves), or its own.
 UNSUBSTITUTED = {"all_to_all_single-uneven-float32-tensor": False, "all_to_all-uneven-bfloat16": False,
                  "all_gather-uneven-int64": False, "all_to_all_single-zero-to-self-bfloat16-list": True,
-                 "reduce_scatter_tensor-bfloat16": True, "all_gather_into_tensor-bfloat16": True}
+                 "reduce_scatter_tensor-bfloat16": True, "all_gather_into_tensor-bfloat16": True,
+                 "_all_gather_base-requires-grad": False}
 
 
 @pytest.fixture(scope="module")

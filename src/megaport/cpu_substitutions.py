@@ -238,8 +238,8 @@ def _ints(sizes):
 
 def _collectives(torch) -> dict:
     """Stand-ins for what NCCL/RCCL do and gloo (torch 2.13) refuses, each by a collective gloo has: split
-    sizes given as tensors, and ``all_to_all``/``all_gather`` lists of uneven shapes. Even lists go to
-    torch's own."""
+    sizes given as tensors, ``all_to_all``/``all_gather`` lists of uneven shapes, and the one-tensor
+    all-gather of an input that requires grad. Even lists go to torch's own."""
     dist = torch.distributed
     real_single, real_lists, real_gather = dist.all_to_all_single, dist.all_to_all, dist.all_gather
     real_into = dist.all_gather_into_tensor
@@ -275,7 +275,17 @@ def _collectives(torch) -> dict:
             out.copy_(part[:out.numel()].view(out.shape))
         return _Done() if async_op else None
 
-    return {"all_to_all_single": all_to_all_single, "all_to_all": all_to_all, "all_gather": all_gather}
+    real_base = getattr(dist, "_all_gather_base", None)
+
+    def _all_gather_base(output_tensor, input_tensor, group=None, async_op=False):
+        # gloo gathers into views of the output (chunk) and refuses that under autograd when the
+        # input requires grad: 2022's pipelines send recv buffers made with requires_grad=True
+        # through it (scatter-gather at TP2xPP2); NCCL's collective is no autograd op either
+        with torch.no_grad():
+            return real_base(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    stand_ins = {"all_to_all_single": all_to_all_single, "all_to_all": all_to_all, "all_gather": all_gather}
+    return {**stand_ins, "_all_gather_base": _all_gather_base} if real_base is not None else stand_ins
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,7 +614,8 @@ PROFILES: dict[str, Profile] = {
             "pipeline sends: a pending gloo send keeps its buffer until it completes, as NCCL's does (upstream frees "
             "a stage's sent output at once)",
             "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
-            "all_to_all and all_gather lists, each done with gloo's own collectives",
+            "all_to_all and all_gather lists, each done with gloo's own collectives; the one-tensor all-gather of an input "
+            "that requires grad (2022's pipeline recv buffers) under no_grad, as NCCL's",
             "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; "
             "current_device() -> 'cpu'; name 'CPU', capability (9, 4) (MI300X's, so upstream's capability checks "
             "pass as there), the host's memory",
