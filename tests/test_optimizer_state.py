@@ -280,6 +280,10 @@ class _UpstreamFp32DpReshardable(_UpstreamDpReshardable):
             if isinstance(tensors.get(key), torch.Tensor):
                 dst_tensors[key].copy_(tensors[key])
 
+    def load_parameter_state_from_dp_reshardable(self, saved):
+        for model_param, tensors in zip(self.model_param_group_index_map, saved):
+            self._set_main_param_and_optimizer_states(model_param, tensors)
+
 
 def test_an_fp32_resume_writes_the_main_params_back_without_autograd(rp):
     """Mixtral's fp32 resume on main 2026-08 failed "a view of a leaf Variable that requires grad is
@@ -298,3 +302,21 @@ def test_an_fp32_resume_writes_the_main_params_back_without_autograd(rp):
     for model_param, tensors in zip(ported.model_param_group_index_map, saved):
         ported._set_main_param_and_optimizer_states(model_param, {k: v for k, v in tensors.items() if k != "step"})
     assert all(torch.equal(p, t["param"]) for p, t in zip(ported.optimizer.param_groups[0]["params"], saved))
+
+
+def test_the_baseline_shim_loads_the_fp32_state_without_autograd_too():
+    """Written apart from the port: unported upstream's whole dp_reshardable load under no_grad."""
+    from megaport.train.shims import registry
+
+    saved_from = _module(upstream=_UpstreamFp32DpReshardable).DistributedOptimizer(_params())
+    _train(saved_from.optimizer, 1)
+    saved = [{k: v.detach().clone() for k, v in t.items() if k != "step"}
+             for t in saved_from.get_parameter_state_dp_reshardable()[0][torch.float32][0]]
+    unfixed = _module(upstream=_UpstreamFp32DpReshardable).DistributedOptimizer(_params())
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable"):
+        unfixed.load_parameter_state_from_dp_reshardable(saved)
+    module = _module(upstream=_UpstreamFp32DpReshardable)
+    registry.REGISTRY["dp-reshardable-no-grad"].loaded_without_autograd(module)
+    shimmed = module.DistributedOptimizer(_params())
+    shimmed.load_parameter_state_from_dp_reshardable(saved)
+    assert all(torch.equal(p, t["param"]) for p, t in zip(shimmed.optimizer.param_groups[0]["params"], saved))
