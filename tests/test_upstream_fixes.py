@@ -248,14 +248,18 @@ class ChainedOptimizer:
 DENSE, EXPERTS = [3.0, 4.0], ([0.0, 2.0], [2.0, 1.0])
 
 
-def _chain_rank(rank: int, port: int, out_dir: str, fix: str) -> None:
+def _chain_rank(rank: int, port: int, out_dir: str, fix: str, groups: str = "expert") -> None:
     import sys
     import types
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     alone = [torch.distributed.new_group([r]) for r in range(WORLD)][rank]
     state = types.ModuleType("megatron.core.parallel_state")
-    state.get_expert_model_parallel_group = lambda: torch.distributed.group.WORLD
+    if groups == "expert":
+        state.get_expert_model_parallel_group = lambda: torch.distributed.group.WORLD
+    else:  # core 0.5: tensor x expert ranks and the pipeline's, no expert group alone
+        state.get_tensor_and_expert_parallel_group = lambda: torch.distributed.group.WORLD
+        state.get_pipeline_model_parallel_group = lambda: alone
     sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": types.ModuleType("megatron.core"),
                         "megatron.core.parallel_state": state})
     sys.modules["megatron.core"].parallel_state = state
@@ -281,12 +285,12 @@ def _chain_rank(rank: int, port: int, out_dir: str, fix: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _chain_outcomes(tmp_path, fix: str) -> list:
+def _chain_outcomes(tmp_path, fix: str, groups: str = "expert") -> list:
     (tmp_path / "optimizer.py").write_text(CHAINED)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(_chain_rank, args=(port, str(tmp_path), fix), nprocs=WORLD)
+    torch.multiprocessing.spawn(_chain_rank, args=(port, str(tmp_path), fix, groups), nprocs=WORLD)
     return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(WORLD)]
 
 
@@ -301,9 +305,10 @@ def test_unfixed_each_chained_optimizer_clips_by_its_own_norm_and_the_ranks_disa
     assert outcomes[1]["expert"] == pytest.approx(_clipped(EXPERTS[1], 5 ** 0.5))
 
 
+@pytest.mark.parametrize("groups", ["expert", "tensor-and-expert"])
 @pytest.mark.parametrize("fix", ["port", "shim"])
-def test_every_chained_optimizer_clips_by_the_norm_of_all_gradients_on_every_rank(tmp_path, fix):
-    outcomes = _chain_outcomes(tmp_path, fix)
+def test_every_chained_optimizer_clips_by_the_norm_of_all_gradients_on_every_rank(tmp_path, fix, groups):
+    outcomes = _chain_outcomes(tmp_path, fix, groups)
     total = 34 ** 0.5
     assert [o["norm"] for o in outcomes] == pytest.approx([total, total])
     assert outcomes[0]["dense"] == outcomes[1]["dense"] == pytest.approx(_clipped(DENSE, total))

@@ -171,9 +171,14 @@ def _norm_squared(optimizer, device) -> torch.Tensor:
         total += grad.detach().float().norm().to(device) ** 2
     total *= unscale * unscale
     group = optimizer.get_model_parallel_group()
-    torch.distributed.all_reduce(total, group=group)
-    if group is not None and _is_expert_optimizer(optimizer):
+    if group is None or not _is_expert_optimizer(optimizer):
+        torch.distributed.all_reduce(total, group=group)
+    elif hasattr(parallel_state, "get_expert_model_parallel_group"):
+        torch.distributed.all_reduce(total, group=group)
         torch.distributed.all_reduce(total, group=parallel_state.get_expert_model_parallel_group())
+    else:  # core 0.5 names no expert group alone: tensor x expert ranks, then the pipeline's
+        torch.distributed.all_reduce(total, group=parallel_state.get_tensor_and_expert_parallel_group())
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return total
 
 

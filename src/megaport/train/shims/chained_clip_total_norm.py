@@ -68,9 +68,17 @@ def _square(optimizer):
     for grad in optimizer.get_main_grads_for_grad_norm():
         square += (grad.float() * scale).pow(2).sum().to(square.device)
     group = optimizer.get_model_parallel_group()
-    torch.distributed.all_reduce(square, group=group)
     if group is not None and _holds_experts(optimizer):
-        torch.distributed.all_reduce(square, group=parallel_state.get_expert_model_parallel_group())
+        # the ranks holding a piece of the experts: tensor x expert x pipeline
+        experts = getattr(parallel_state, "get_tensor_and_expert_parallel_group", None)
+        if experts is None:
+            torch.distributed.all_reduce(square, group=group)
+            torch.distributed.all_reduce(square, group=parallel_state.get_expert_model_parallel_group())
+        else:
+            torch.distributed.all_reduce(square, group=experts())
+            torch.distributed.all_reduce(square, group=parallel_state.get_pipeline_model_parallel_group())
+    else:
+        torch.distributed.all_reduce(square, group=group)
     return square.item()
 
 
