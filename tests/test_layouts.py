@@ -556,3 +556,21 @@ def test_an_era_without_the_layouts_families_trains_it_with_gpt(tmp_path):
     with_llama = _tree(tmp_path / "llama", ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
     assert [r.id for r in plan.plan(with_llama, [layouts.get("tp2-sp")], [checks.CHECKS["one-rank"]])[0]] == \
         ["llama-tp2-sp-one-rank"]
+
+
+def test_the_tp_ranks_copies_are_found_in_a_legacy_models_nested_state(tmp_path):
+    """2022's GPT saves ``model -> language_model -> encoder -> layers.0.input_layernorm.weight``:
+    the copies are read from nested dicts too (they were 'no weight shared ... found')."""
+    import torch
+
+    from megaport.train.checks import tp_replicas
+
+    for rank, scale in ((0, 1.0), (1, 1.5)):
+        folder = tmp_path / "iter_0000003" / f"mp_rank_0{rank}"
+        folder.mkdir(parents=True)
+        encoder = {"layers.0.input_layernorm.weight": torch.ones(4) * scale, "layers.0.mlp.dense_4h_to_h.weight":
+                   torch.full((4, 4), float(rank))}
+        torch.save({"model": {"language_model": {"encoder": encoder}}}, folder / "model_optim_rng.pt")
+    copies = tp_replicas._copies(str(tmp_path))
+    assert list(copies) == ["language_model.encoder.layers.0.input_layernorm.weight"]
+    assert [float(t[0]) for t in copies["language_model.encoder.layers.0.input_layernorm.weight"]] == [1.0, 1.5]

@@ -76,11 +76,21 @@ def _copies(folder: str) -> dict:
     for path in sorted(glob.glob(os.path.join(iterations[-1], "mp_rank_*", "*.pt"))):
         rest = _RANK_FOLDER.match(os.path.basename(os.path.dirname(path))).group(2)
         for model, state in _models(path).items():
-            for key, tensor in state.items():
+            for key, tensor in _flat(state):
                 if SHARED_WEIGHTS.search(key) and hasattr(tensor, "shape"):
                     copies.setdefault((model, key, rest), []).append(tensor.float())
     return {" ".join(filter(None, (model if model != "model" else "", key, rest))): tensors
             for (model, key, rest), tensors in copies.items()}
+
+
+def _flat(state: dict, prefix: str = ""):
+    """(dotted key, value) of a state dict, nested ones walked: the legacy models before core's
+    (2022: ``language_model`` -> ``encoder`` -> ``layers.0.input_layernorm.weight``) nest theirs."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _models(path: str) -> dict:
