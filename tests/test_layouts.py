@@ -574,3 +574,16 @@ def test_the_tp_ranks_copies_are_found_in_a_legacy_models_nested_state(tmp_path)
     copies = tp_replicas._copies(str(tmp_path))
     assert list(copies) == ["language_model.encoder.layers.0.input_layernorm.weight"]
     assert [float(t[0]) for t in copies["language_model.encoder.layers.0.input_layernorm.weight"]] == [1.0, 1.5]
+
+
+def test_selective_recomputation_leaves_out_the_scripts_recompute_method(tmp_path):
+    """2022's GPT script says --activations-checkpoint-method uniform; upstream refuses a method
+    beside --recompute-granularity selective ('recompute method is not yet supported')."""
+    from megaport.train.checks import one_rank
+    from megaport.train.checks.spec import Context
+
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--recompute-granularity"])
+    context = Context(tree, None, False, {}, str(tmp_path / "w"))
+    left_out = dict(one_rank.base_run(context, "gpt", layouts.get("tp2-selective")).left_out)
+    assert {"--recompute-method", "--activations-checkpoint-method"} <= set(left_out)
+    assert "--recompute-method" not in dict(one_rank.base_run(context, "gpt", layouts.get("tp2-recompute")).left_out)

@@ -65,7 +65,8 @@ def base_run(context: Context, family: str, layout, mode: str = "ported") -> pre
     sizes = dataclasses.replace(sizes, steps=_depth_scaled_steps(steps, run.sizes.layers, sizes.layers),
                                 vocab_multiple=layouts.VOCAB_MULTIPLE)
     return dataclasses.replace(run, sizes=sizes, lr=_depth_scaled(run.lr, run.sizes.layers, sizes.layers),
-                               left_out=run.left_out + registry.get(family).layout_left_out(context.tree))
+                               left_out=run.left_out + registry.get(family).layout_left_out(context.tree)
+                               + layout.leaves_out)
 
 
 def _depth_scaled(lr: float | None, family_layers: int, layers: int) -> float | None:

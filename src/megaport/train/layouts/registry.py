@@ -39,7 +39,11 @@ LAYOUTS = {layout.name: layout for layout in (
            TP2 + ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
            families=("gpt",)),
     Layout("tp2-selective", "tensor parallel over 2 ranks, selective recomputation (core attention recomputed "
-           "in backward)", Ranks(2), TP2 + ("--recompute-granularity", "selective"), families=("llama",)),
+           "in backward)", Ranks(2), TP2 + ("--recompute-granularity", "selective"), families=("llama",),
+           # 2022's GPT script asks for a method of full recomputation, which selective refuses beside it
+           leaves_out=tuple((flag, "selective recomputation takes no recompute method (upstream refuses one)")
+                            for flag in ("--recompute-method", "--activations-checkpoint-method",
+                                         "--recompute-num-layers", "--checkpoint-activations"))),
     # PyTorch's FSDP2 (AMD's guide trains Llama 3 70B with it): parameters, gradients and optimizer
     # state sharded over the data-parallel ranks; upstream refuses it beside gradient-accumulation
     # fusion, which the port otherwise serves

@@ -53,6 +53,8 @@ class Layout:
     #: why the layout cannot train on the CPU (megaport's CPU placement serves upstream's CUDA calls,
     #: not everything of torch's that a layout builds on); "": it can
     gpu_only: str = ""
+    #: the family's flags the layout cannot take, each with why: ((flag, why), ...)
+    leaves_out: tuple = ()
 
     @property
     def tensor_parallel(self) -> int:
