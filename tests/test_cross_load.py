@@ -17,9 +17,9 @@ def _run(iterations, losses=None, grad_norms=None, **more):
 
 def _directions(upstream_resumed, port_resumed):
     whole = _run(range(1, 31))
-    return {cross_load.DIRECTIONS[0][0]: {"uninterrupted": whole, "saved": _run(range(1, 16)),
+    return {cross_load.UPSTREAM_RESUMES: {"uninterrupted": whole, "saved": _run(range(1, 16)),
                                           "resumed": upstream_resumed},
-            cross_load.DIRECTIONS[1][0]: {"uninterrupted": whole, "saved": _run(range(1, 16)),
+            cross_load.PORT_RESUMES: {"uninterrupted": whole, "saved": _run(range(1, 16)),
                                           "resumed": port_resumed}}
 
 
@@ -27,7 +27,7 @@ def test_both_directions_resuming_faithfully_hold(tmp_path):
     figures, problems = cross_load.crossed_problems(str(tmp_path), _directions(_run(range(16, 31)),
                                                                                 _run(range(16, 31))))
     assert problems == []
-    assert set(figures) == {d[0] for d in cross_load.DIRECTIONS}
+    assert set(figures) == set(cross_load.DIRECTIONS)
 
 
 def test_a_direction_that_trains_nothing_fails_by_name(tmp_path):
@@ -66,7 +66,7 @@ def test_cross_load_is_planned_where_the_resume_is_and_unported_upstream_trains_
 def test_the_report_row_names_each_direction_on_one_rank_and_in_the_layout():
     whole = _run(range(1, 31))
     same = parity.loss_parity(whole, whole)
-    side = {"directions": {d[0]: same for d in cross_load.DIRECTIONS}, "problems": []}
+    side = {"directions": {name: same for name in cross_load.DIRECTIONS}, "problems": []}
     row = cross_load.figures({"one_rank": side, "layout": side})
     assert row.count("one rank, ") == 2 and row.count("layout, ") == 2
     assert "upstream resumes the port's: loss 0.0e+00" in row

@@ -164,8 +164,6 @@ def parser_help_flags(tree: str) -> frozenset:
 
 def _last_error(stderr: str) -> str:
     """The exception line of a traceback, with what to do where a package is missing."""
-    import re
-
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     error = next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)),
                  lines[-1] if lines else "no output")

@@ -1,13 +1,15 @@
 """Upstream's own bugs in a window of its history that stop a layout or a model family on every
-machine, ported or not, fixed where the port loads anyway (an after-import step, :mod:`.hooks`), so one fix reaches
-every commit of the window whatever series ports it. Each step names the commits that opened and
-closed its window; the unported baseline gets the same fix, written apart, as a listed shim."""
+machine, ported or not, fixed where the port loads anyway (an after-import step, :mod:`.hooks`), so
+one fix reaches every commit of the window whatever series ports it. Each step names the commits
+that opened and closed its window; the unported baseline gets the same fix, written apart, as a
+listed shim."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import inspect
+import math
 import textwrap
 
 import torch
@@ -218,7 +220,7 @@ def _chained_optimizers_clip_by_one_norm(module) -> None:
         def clip_by_total(optimizer, own):
             def clip_grad_norm(clip_grad, *rest, **kw):
                 total = total_norm()
-                if not torch.isfinite(torch.tensor(total)):
+                if not math.isfinite(total):
                     return own(clip_grad, *rest, **kw)
                 say_once(_ONE_NORM)
                 coefficient = float(clip_grad) / (total + 1.0e-6)
@@ -236,7 +238,7 @@ def _chained_optimizers_clip_by_one_norm(module) -> None:
         finally:
             for optimizer in inner:
                 del optimizer.clip_grad_norm
-        if "total" in said and grad_norm and torch.isfinite(torch.tensor(said["total"])):
+        if "total" in said and grad_norm and math.isfinite(said["total"]):
             grad_norm = said["total"]
         return successful, grad_norm, zeros
 
@@ -277,8 +279,8 @@ def _t5_decoder_output_pads_zeroed(module) -> None:
     where the statement is absent, nothing changes."""
     dataset = getattr(module, "T5MaskedWordPieceDataset", None)
     method = getattr(dataset, "__getitem__", None)
-    if method is None or getattr(method, "__rocm_port_t5_labels__", False):
-        return
+    if method is None or getattr(method, "__rocm_port_t5_labels__", False) or method.__code__.co_freevars:
+        return  # a method with a closure (zero-argument super()) cannot be compiled again outside its class
     try:
         lines, first = inspect.getsourcelines(method)
     except (OSError, TypeError):

@@ -11,10 +11,12 @@ upstream runs as on an NVIDIA box, with apex (the baseline's stand-in, :data:`NV
 apex or TE its distributed optimizer resumes no checkpoint, not even its own. Elsewhere it runs
 with torch's Adam, as the port does: a fused Adam keeps its step in the param groups, and a torch
 Adam checkpoint resumed by one restarts its bias correction (main 2026-08, Llama: 5.4 % in loss),
-which the port does not serve yet. Each joined run (saved half,
-then resumed half) is held to the ported uninterrupted run with loss parity's tolerances (loss 1 %,
-grad norm 5 %): the two trees differ by their kernels' rounding, so the resume is compared as the
-trees are, not bit for bit; a resume that trains nothing, or not from the saved iteration, fails.
+which the port does not serve yet.
+
+Each joined run (saved half, then resumed half) is held to the ported uninterrupted run with loss
+parity's tolerances (loss 1 %, grad norm 5 %): the two trees differ by their kernels' rounding, so
+the resume is compared as the trees are, not bit for bit; a resume that trains nothing, or not
+from the saved iteration, fails.
 Planned where the resume check is (the distributed optimizer's shards: Llama's ``dp2-distopt``),
 on one rank and in the layout; other families on request (``--model gpt,mixtral --layouts
 dp2-distopt --checks cross-load``), so a default verify does not repeat one rank's figures on
@@ -31,9 +33,9 @@ from megaport.train.checks import one_rank, resume
 from megaport.train.checks.spec import Check, Context, loss_figures
 from megaport.train.layouts import registry as layouts
 
-#: the two directions: (name, who saves, who resumes)
-DIRECTIONS = (("upstream resumes the port's", "ported", "unported"),
-              ("the port resumes upstream's", "unported", "ported"))
+#: the two directions, as the report names them
+UPSTREAM_RESUMES, PORT_RESUMES = "upstream resumes the port's", "the port resumes upstream's"
+DIRECTIONS = (UPSTREAM_RESUMES, PORT_RESUMES)
 
 
 #: what unported upstream needs to resume a distributed optimizer's checkpoint at all: without apex
@@ -79,9 +81,9 @@ def _crossed_runs(context: Context, family: str, layout) -> dict:
         folder = os.path.join(context.workdir, f"cross-{family}-{layout.name}-{one_rank.shared_count()}")
         upstream_saved = _unported(resume._checkpoint_run(fusions_off, folder, False), context.upstream_sha)
         return {
-            DIRECTIONS[0][0]: {"uninterrupted": ported["uninterrupted"], "saved": ported["saved"],
+            UPSTREAM_RESUMES: {"uninterrupted": ported["uninterrupted"], "saved": ported["saved"],
                                "resumed": _resumed(context, fusions_off, ported["folder"], "unported")},
-            DIRECTIONS[1][0]: {"uninterrupted": ported["uninterrupted"], "saved": upstream_saved,
+            PORT_RESUMES: {"uninterrupted": ported["uninterrupted"], "saved": upstream_saved,
                                "resumed": _resumed(context, base, folder, "ported")},
         }
     return one_rank.once(one_rank.key(context, base) + ("cross-load", layout.name), make)

@@ -161,8 +161,9 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
         folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
         start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
         writer = start.of(run)
-        pretrain.run_pretrain(dataclasses.replace(writer, load=None, extra=writer.extra + _drawn_as_every_era(context.tree),
-                                                  sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS), save=folder),
+        pretrain.run_pretrain(dataclasses.replace(writer, load=None, save=folder,
+                                                  extra=writer.extra + _drawn_as_every_era(context.tree),
+                                                  sizes=dataclasses.replace(run.sizes, steps=INIT_STEPS)),
                               context.env)
         return start
     return once(key(context, run), make)
