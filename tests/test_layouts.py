@@ -95,6 +95,29 @@ def test_grouped_gemm_experts_that_write_no_distributed_checkpoint_are_left_out_
     assert "--moe-grouped-gemm" not in argv and "--num-experts" in argv
 
 
+def test_one_rank_builds_the_model_the_layouts_build_where_they_share_one_initialisation(tmp_path):
+    """Core 0.5-0.6 build the legacy model unless told ``--use-mcore-models``, which every layout run
+    is told; without distributed checkpoints the one-rank reference and the layout share one CPU
+    draw, and the reference built the legacy model from it: another model (main 2024-02 Llama 2.6 %
+    apart, Mixtral 1.7 %)."""
+    from megaport.train.checks import one_rank
+    from megaport.train.checks.spec import Context
+
+    tree = _tree(tmp_path, ["--use-mcore-models", "--use-cpu-initialization", "--tensor-model-parallel-size",
+                            "--num-query-groups", *LLAMA_FLAGS])
+    start = one_rank.shared_start(Context(tree, None, False, {}, str(tmp_path)),
+                                  pretrain.Run(tree=tree, family="llama", sizes=example.Sizes(steps=5)))
+    run = start.of(pretrain.Run(tree=tree, family="llama", sizes=example.Sizes(steps=5, heads=4)))
+    one = pretrain.command(run, tree).argv
+    tp2 = pretrain.command(dataclasses.replace(run, layout="tp2"), tree).argv
+    for argv in (one, tp2):
+        assert argv.count("--use-mcore-models") == 1 and "--use-cpu-initialization" in argv
+        assert example.flag_value(argv, "--num-query-groups") == "2"  # Megatron Core's half the heads, on each side
+    legacy = _tree(tmp_path / "later", ["--use-mcore-models", "--use-legacy-models", "--use-cpu-initialization",
+                                        *LLAMA_FLAGS])
+    assert one_rank._one_kind_of_model(legacy) == ()  # core 0.7 on: Megatron Core's is the default
+
+
 def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):
     tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
     runs, _ = plan.plan(tree, [layouts.get("tp2"), layouts.get("tp2-sp")], checks.select(None), models=["llama"])

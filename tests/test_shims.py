@@ -98,6 +98,9 @@ def _missing(module: str) -> str:
     ("from megaport.train.shims.te_import_stub import TransformerEngineStubUsed\n"
      "raise TransformerEngineStubUsed('TransformerEngine is not installed when instantiating TEDotProductAttention')",
      "te-spec"),
+    ("raise ValueError('Transformer Engine v0.0.0+megaport.stub does not support Grouped Query Attention, use a "
+     "newer version of Transformer Engine.')", "te-spec"),  # core 0.5's Mixtral: GQA refused by the stub's version
+    ("raise ValueError('Transformer Engine v1.2 does not support Grouped Query Attention')", None),  # a real TE's
     ("raise AssertionError('zero_centered_gamma not supported by torch LayerNorm')", "te-norm"),
     ("raise AssertionError('(RMSNorm) is not supported in FusedLayerNorm')", "te-norm"),
     ("TENorm", "te-norm"),

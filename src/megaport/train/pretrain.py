@@ -161,7 +161,7 @@ def _layout_flags(run: Run, layout, notes: list) -> list:
     flags = layout.flags_for(run.tree)
     if layout.micro_batch is not None:
         flags += ["--micro-batch-size", str(layout.micro_batch)]
-    if legacy_models_by_default(run.tree):
+    if legacy_models_by_default(run.tree) and not any("--use-mcore-models" in added for added, _ in run.extra):
         flags += ["--use-mcore-models"]
         notes.append("--use-mcore-models (this era builds legacy models unless told; its parallel features, "
                      "--overlap-param-gather among them, are Megatron Core's)")

@@ -143,6 +143,20 @@ def _drawn_as_every_era(tree: str) -> tuple:
     return (((flag,), why),) if example.parser_has(tree, flag) else ()
 
 
+#: core 0.5-0.6 build the legacy model unless told ``--use-mcore-models``, which every layout run
+#: is told (its parallel features are Megatron Core's): the one-rank reference built the legacy model
+#: from the same CPU draw, another model (main 2024-02 Llama: 0.5 % apart at iteration 1, 2.6 % by 30,
+#: Mixtral 1.7 %; GPT's two models happen to agree)
+_MCORE_EVERY_SIDE = ("--use-mcore-models", "every side builds Megatron Core's model, as the layouts do: from one "
+                                           "initialisation the legacy model is another model")
+
+
+def _one_kind_of_model(tree: str) -> tuple:
+    """The flags that make one rank build the model every layout builds: ((flags, why),) or ()."""
+    flag, why = _MCORE_EVERY_SIDE
+    return (((flag,), why),) if pretrain.legacy_models_by_default(tree) else ()
+
+
 def shared_count() -> int:
     """How many shared runs this session made (names their folders apart)."""
     return len(_SHARED)
@@ -157,7 +171,7 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
         if unsaved:
             why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn "
                    "once, then split")
-            return Start(extra=((("--use-cpu-initialization",), why),))
+            return Start(extra=((("--use-cpu-initialization",), why),) + _one_kind_of_model(context.tree))
         folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
         start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
         writer = start.of(run)
