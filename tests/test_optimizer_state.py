@@ -6,6 +6,7 @@ or TE (``HAVE_APEX_OR_TE`` False), reduced to the step; the whole run is in
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -320,3 +321,88 @@ def test_the_baseline_shim_loads_the_fp32_state_without_autograd_too():
     shimmed = module.DistributedOptimizer(_params())
     shimmed.load_parameter_state_from_dp_reshardable(saved)
     assert all(torch.equal(p, t["param"]) for p, t in zip(shimmed.optimizer.param_groups[0]["params"], saved))
+
+
+OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"
+
+
+class _UpstreamMegatronOptimizer:
+    """upstream's MegatronOptimizer wrapping the torch optimizer it was given (its state dict is the
+    inner optimizer's: Float16OptimizerWithFloat16Params / FP32Optimizer on one rank)."""
+
+    def __init__(self, optimizer, config=None, init_state_fn=None):
+        self.optimizer = optimizer
+
+
+def _wrapped(rp, optimizer):
+    module = types.ModuleType(OPTIMIZER_MODULE)
+    module.MegatronOptimizer = type("MegatronOptimizer", (_UpstreamMegatronOptimizer,), {})
+    for step in rp.after_import_steps(OPTIMIZER_MODULE):
+        step(module)
+    return module.MegatronOptimizer(optimizer).optimizer
+
+
+def _nvidia_box_adam(params):
+    """An NVIDIA box's fused Adam: apex's state layout (the step in the param groups only), the
+    baseline's stand-in."""
+    from megaport.train.shims.apex_pytorch import FusedAdam as ApexFusedAdam
+
+    return ApexFusedAdam(params, lr=0.1, weight_decay=0.1)
+
+
+def _same_params(a, b) -> None:
+    for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]):
+        with torch.no_grad():
+            p.copy_(q)
+
+
+def _apart(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]))
+
+
+def test_an_nvidia_box_resumes_torch_adams_checkpoint_with_its_step(rp, capsys):
+    """main 2026-08 without apex or TE trains with torch's AdamW; an NVIDIA box's fused Adam reads
+    the step from the param groups: without them it restarted bias correction (5.4 % in loss)."""
+    rp.say._SAID.clear()
+    uninterrupted = _wrapped(rp, torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1))
+    _train(uninterrupted, 3)
+    saved = copy.deepcopy(uninterrupted.state_dict())  # as written to disk: no moment shared with the writer
+    assert {g["step"] for g in saved["param_groups"]} == {3}
+    box = _nvidia_box_adam(_params())
+    box.load_state_dict(saved)
+    _same_params(box, uninterrupted)
+    _train(uninterrupted, 2)
+    _train(box, 2)
+    assert _apart(box, uninterrupted) < 1e-6
+    unserved = torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1)  # upstream's own, unported
+    _train(unserved, 3)
+    box = _nvidia_box_adam(_params())
+    box.load_state_dict(copy.deepcopy(unserved.state_dict()))
+    _same_params(box, unserved)
+    _train(unserved, 2)
+    _train(box, 2)
+    assert _apart(box, unserved) > 1e-3  # bias correction restarted at step 1
+    assert capsys.readouterr().out.count("> ROCm port: torch's Adam writes its step into its param groups") == 1
+
+
+def test_torch_adam_resumes_an_nvidia_boxs_checkpoint(rp):
+    box = _nvidia_box_adam(_params())
+    _train(box, 3)
+    saved = copy.deepcopy(box.state_dict())
+    assert all("step" not in s for s in saved["state"].values())
+    with pytest.raises(KeyError, match="step"):  # unported: torch's Adam asks each parameter's state
+        unserved = torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1)
+        unserved.load_state_dict(box.state_dict())
+        _train(unserved, 1)
+    resumed = _wrapped(rp, torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1))
+    resumed.load_state_dict(saved)
+    _same_params(resumed, box)
+    _train(box, 2)
+    _train(resumed, 2)
+    assert _apart(resumed, box) < 1e-6
+    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+
+
+def test_the_ports_fused_adam_is_not_hooked_twice(rp):
+    fused = _wrapped(rp, rp.FusedAdam(_params(), lr=0.1))
+    assert not fused._optimizer_state_dict_post_hooks and not getattr(fused, "_rocm_port", False)

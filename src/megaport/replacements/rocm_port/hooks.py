@@ -18,6 +18,7 @@ from .optimizer_state import (
     _model_space_state_without_step,
     _param_state_without_step,
     _step_before_the_first_step,
+    _torch_adams_step_in_param_groups,
 )
 from .target_stack import (
     _async_writer_calls_todays_write_item,
@@ -123,7 +124,7 @@ _AFTER_IMPORT_WITHOUT_TE = {
                                                     _param_state_without_step, _model_space_state_without_step),
     "megatron.core.transformer.transformer_config": _rope_fusion_off_before_checks,
     "megatron.core.optimizer.clip_grads": _port_multi_tensor_helpers,
-    "megatron.core.optimizer.optimizer": _port_multi_tensor_helpers,
+    "megatron.core.optimizer.optimizer": (_port_multi_tensor_helpers, _torch_adams_step_in_param_groups),
     "megatron.core.transformer.torch_layer_norm": _serve_zero_centered_gamma_in_torch_norm,
     "megatron.core.transformer.torch_norm": _serve_zero_centered_gamma_in_torch_norm,
     "megatron.core.fusions.fused_layer_norm": _serve_rms_norm_in_fused_layer_norm,

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from .apex_substitutes import FusedAdam
 from .say import say_once
 
 _STEP_SERVED = ("the distributed optimizer asked torch's Adam for its step before its first step (building the state "
@@ -194,3 +195,57 @@ def _model_space_state_without_step(module) -> None:
         functools.update_wrapper(without_step, method)
         without_step._rocm_port = True
         setattr(cls, name, without_step)
+
+
+_STEP_IN_GROUPS = ("torch's Adam writes its step into its param groups too, where apex's and TE's FusedAdam keep it "
+                   "(an NVIDIA box resuming the checkpoint goes on with Adam's bias correction), and a parameter "
+                   "state loaded without a step takes its group's")
+
+
+def _group_steps_written(optimizer, state_dict):
+    """State-dict post-hook: each param group holds the one step its parameters' states hold."""
+    for group in state_dict.get("param_groups", []):
+        steps = {float(state_dict["state"][i]["step"]) for i in group.get("params", [])
+                 if "step" in state_dict["state"].get(i, {})}
+        if len(steps) == 1 and "step" not in group:
+            group["step"] = int(steps.pop())
+    return state_dict
+
+
+def _group_steps_read(optimizer, state_dict):
+    """Load pre-hook: a parameter state without ``step`` (an apex or TE checkpoint) takes its group's."""
+    for group in state_dict.get("param_groups", []):
+        if group.get("step") is None:
+            continue
+        for i in group.get("params", []):
+            state = state_dict["state"].get(i)
+            if state and "step" not in state:
+                state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+    return state_dict
+
+
+def _torch_adams_step_in_param_groups(module) -> None:
+    """Upstream from 2024-08 on falls back to torch's Adam/AdamW without apex or TE; it keeps its step
+    per parameter, apex's and TE's FusedAdam in the param groups. Upstream's own one-rank checkpoint
+    of torch's Adam, resumed on an NVIDIA box, restarted Adam's bias correction there (main 2026-08
+    Llama: 5.4 % in loss), and an NVIDIA box's, resumed without apex or TE, has no parameter step
+    for torch's Adam to read (``KeyError: 'step'``). The optimizer upstream wraps keeps both: its
+    state dict writes each group's step, and a loaded state without one takes it (torch's own
+    state-dict hooks, per optimizer; the port's FusedAdam already keeps apex's)."""
+    cls = getattr(module, "MegatronOptimizer", None)
+    if cls is None or getattr(cls.__init__, "_rocm_port", False):
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def hooked(self, optimizer, *args, **kwargs):
+        init(self, optimizer, *args, **kwargs)
+        if (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not isinstance(optimizer, FusedAdam)
+                and not getattr(optimizer, "_rocm_port", False)):
+            say_once(_STEP_IN_GROUPS)
+            optimizer.register_state_dict_post_hook(_group_steps_written)
+            optimizer.register_load_state_dict_pre_hook(_group_steps_read)
+            optimizer._rocm_port = True
+
+    hooked._rocm_port = True
+    cls.__init__ = hooked

@@ -5,13 +5,12 @@ The ported side is the resume check's (:mod:`megaport.train.checks.resume`): one
 iteration 15, saves weights, optimizer, RNG and data position in the era's default format and exits,
 beside the uninterrupted 30-iteration run. Here unported upstream (fusions off, the baseline's
 shims only where it cannot start without them) resumes that checkpoint to 30; and unported
-upstream trains to 15 and saves, and the ported tree resumes that. Where the run takes the
-distributed optimizer (its layout, or its family's script: Mixtral's on one rank too), unported
-upstream runs as on an NVIDIA box, with apex (the baseline's stand-in, :data:`NVIDIA_BOX`): without
-apex or TE its distributed optimizer resumes no checkpoint, not even its own. Elsewhere it runs
-with torch's Adam, as the port does: a fused Adam keeps its step in the param groups, and a torch
-Adam checkpoint resumed by one restarts its bias correction (main 2026-08, Llama: 5.4 % in loss),
-which the port does not serve yet.
+upstream trains to 15 and saves, and the ported tree resumes that. Unported upstream runs as on an
+NVIDIA box, with apex (the baseline's stand-in, :data:`NVIDIA_BOX`), whose fused Adam keeps its step
+in the param groups where torch's Adam keeps it per parameter: the port's torch Adam writes and reads
+both (before it did, main 2026-08's Llama resumed on an NVIDIA box restarted Adam's bias correction,
+5.4 % in loss), and without apex or TE upstream's distributed optimizer resumes no checkpoint, not
+even its own.
 
 Each joined run (saved half, then resumed half) is held to the ported uninterrupted run with loss
 parity's tolerances (loss 1 %, grad norm 5 %): the two trees differ by their kernels' rounding, so
@@ -38,24 +37,15 @@ UPSTREAM_RESUMES, PORT_RESUMES = "upstream resumes the port's", "the port resume
 DIRECTIONS = (UPSTREAM_RESUMES, PORT_RESUMES)
 
 
-#: what unported upstream needs to resume a distributed optimizer's checkpoint at all: without apex
-#: or TE it takes torch's Adam, whose state has no ``step`` before the first step, and its own
-#: resume fails (``assert len(steps) == 1`` on main 2026-08, ``KeyError: 'step'`` in 2024); an
-#: NVIDIA box has apex (and TE), and the baseline's apex stand-in gives upstream that path
+#: the machine a checkpoint moves from or to: an NVIDIA box has apex (and TE), and the baseline's
+#: apex stand-in gives unported upstream its fused Adam (the step in the param groups); without apex
+#: or TE upstream's distributed optimizer cannot even resume its own checkpoint (``assert len(steps)
+#: == 1`` on main 2026-08, ``KeyError: 'step'`` in 2024)
 NVIDIA_BOX = ("apex",)
 
 
-def _shards_the_optimizer(run: pretrain.Run) -> bool:
-    """Whether ``run`` takes the distributed optimizer: its layout's flags or its family's (main's
-    Mixtral script asks for it on one rank too)."""
-    from megaport.train.families import registry as families
-
-    return (resume.SHARDED_OPTIMIZER in layouts.get(run.layout).flags
-            or resume.SHARDED_OPTIMIZER in families.get(run.family).flags(run.tree)[0])
-
-
 def _unported(run: pretrain.Run, sha: str) -> dict:
-    result, _ = baseline.run_unported(run, sha, also=NVIDIA_BOX if _shards_the_optimizer(run) else ())
+    result, _ = baseline.run_unported(run, sha, also=NVIDIA_BOX)
     return result
 
 
