@@ -62,7 +62,8 @@ def test_upstreams_second_logged_loss_is_the_mean_of_two(tmp_path):
 def test_resume_is_a_check_row_planned_where_ranks_shard_the_optimizer():
     assert checks.select("resume") == [resume.CHECK]
     assert resume.not_for(layouts.get("dp2-distopt"), "") is None
-    assert "--use-distributed-optimizer shards" in resume.not_for(layouts.get("tp2"), "")
+    assert resume.not_for(layouts.get("dp2-zero1"), "") is None  # DeepSpeed's ZeRO: one optimizer shard per rank
+    assert "--use-distributed-optimizer or --zero-stage shards" in resume.not_for(layouts.get("tp2"), "")
 
 
 def test_verify_plans_resume_for_dp2_distopt(tmp_path):

@@ -28,8 +28,10 @@ def saved_at(steps: int) -> int:
     return steps // 2
 
 
-#: flags of a layout whose ranks each hold a shard of the optimizer's state
-SHARDED_OPTIMIZER = "--use-distributed-optimizer"
+#: flags of a layout whose ranks each hold a shard of the optimizer's state: upstream's distributed
+#: optimizer, and in Megatron-DeepSpeed DeepSpeed's ZeRO (its engine writes one optimizer shard per
+#: data-parallel rank, ``zero_pp_rank_N_mp_rank_00_optim_states.pt``)
+SHARDED_OPTIMIZERS = ("--use-distributed-optimizer", "--zero-stage")
 #: upstream logs a run's first iteration without resetting its running loss, so the run's second
 #: logged loss is the mean of its first two (main's training_log); a resumed run's too
 _FIRST_LOG_KEPT = ("megatron/training/training.py", "should_reset = not is_first_iteration")
@@ -136,10 +138,11 @@ def figures(compared: dict) -> str:
 def not_for(layout, tree: str) -> str | None:
     """Why the resume is not checked in ``layout``: it does not shard the optimizer's state with
     upstream's distributed optimizer (one rank's resume, checked beside each layout that does,
-    stands for the others; DeepSpeed's ZeRO checkpoints are not checked yet)."""
-    if SHARDED_OPTIMIZER in layout.flags:
+    stands for the others)."""
+    if any(flag in layout.flags for flag in SHARDED_OPTIMIZERS):
         return None
-    return f"resumes are checked where {SHARDED_OPTIMIZER} shards the optimizer's state, and on one rank beside it"
+    return (f"resumes are checked where {' or '.join(SHARDED_OPTIMIZERS)} shards the optimizer's state, and on one "
+            "rank beside it")
 
 
 CHECK = Check(name="resume", summary="saved halfway and resumed = the uninterrupted run "
