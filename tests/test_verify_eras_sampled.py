@@ -22,3 +22,12 @@ def test_the_t5_window_s_last_commit_is_sampled_under_the_series_that_ports_it(f
     assert rows["c072f894da96"].startswith("e7-2026-02@c072f894da (before 9ddbce3aa2, t5: fix: T5 dataset")
     assert rows["7a8f305f81b1"] == "e7-2026-02@oldest"
     assert all(label.startswith("e7-2026-02@") for label in rows.values())
+
+
+def test_every_sampled_commit_since_v2_0_ports(full_clone):
+    """A fix's parent apply refuses would be an ``unported@`` row (its result apply's error), not a
+    gap in the list; on main since v2.0 there is none."""
+    listed = subprocess.run([sys.executable, str(TOOL), "--repo", str(full_clone), "--sampled", "--list"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(listed) >= 130
+    assert not [line for line in listed if "unported@" in line]
