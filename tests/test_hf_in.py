@@ -103,3 +103,70 @@ def test_a_converter_that_exits_0_having_written_nothing_is_an_error_naming_why(
     (made / "made.json").write_text(json.dumps({"document": list(range(3, 67)), "loss": 6.9, "transformers": "5"}))
     with pytest.raises(RuntimeError, match="wrote no checkpoint .*: AssertionError: data parallel group is not init"):
         hf_in.round_trip(tree, "llama", 1, str(tmp_path / "work"), gpu=True)
+
+
+def test_each_family_is_a_row_and_mixtral_is_converted_by_its_own_loader_with_the_docs_saver(tmp_path):
+    """examples/mixtral/README.md: --loader loader_mixtral_hf --saver mcore (every era: convert.py maps
+    mcore to core from core 0.13) --target-expert-parallel-size N; a tree without the loader says so."""
+    source = hf_in.SOURCES["mixtral"]
+    assert source.loader == "loader_mixtral_hf" and source.saver == "mcore" and (1, 2) in source.layouts
+    assert "examples/mixtral/README.md" in source.docs
+    assert "loader_mixtral_hf.py" in hf_in.absent(_tree(tmp_path / "bare", "saver_core.py"), "mixtral")
+    tree = _tree(tmp_path / "tree", "saver_core.py", "loader_mixtral_hf.py")
+    assert hf_in.absent(tree, "mixtral") is None
+    flags = " ".join(hf_in.convert_command(tree, "mixtral", "HF", "OUT", 1, gpu=False, ep=2))
+    assert "--model-type GPT --loader loader_mixtral_hf --saver mcore --load-dir HF --save-dir OUT" in flags
+    assert "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 --target-expert-parallel-size 2" in flags
+    # the Llama docs' command sets no expert-parallel size
+    assert "--target-expert-parallel-size" not in " ".join(hf_in.convert_command(
+        _tree(tmp_path / "llama", "saver_core.py", "loader_llama_mistral.py"), "llama", "HF", "OUT", 2, gpu=False))
+
+
+def test_the_mixtral_launch_is_the_finetuning_scripts_flags_with_the_tiny_models_sizes():
+    argv = hf_in.launch_command("mixtral", "HF", "CKPT", "DOC", 1, gpu=False, ep=2)
+    flags = " ".join(argv)
+    assert argv[argv.index("--nproc_per_node") + 1] == "2"  # TP1 x EP2
+    assert "--tensor-model-parallel-size 1 --expert-model-parallel-size 2" in flags
+    assert argv[argv.index("--global-batch-size") + 1] == "2"  # one sample a data-parallel rank
+    assert "--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss" in flags
+    assert "--moe-token-dispatcher-type alltoall" in flags and "--use-mcore-models" in flags
+    assert "--moe-router-pre-softmax" not in flags  # Megatron's default router is transformers' Mixtral's
+    assert "--moe-grouped-gemm" not in flags and "--bf16" not in flags  # fp32: upstream's grouped GEMM is bf16 only
+    for flag in hf_in.SOURCES["mixtral"].size_flags:
+        assert argv[argv.index(flag) + 1] == str(hf_models.SIZES["mixtral"][flag])
+    assert "--expert-model-parallel-size" not in " ".join(hf_in.launch_command("llama", "HF", "CKPT", "DOC", 2, gpu=False))
+
+
+def test_a_rows_literal_launch_flags_agree_with_the_tiny_models_sizes():
+    """A flag the docs give literally (Mixtral's --num-experts 8) must be the tiny model's too, and a
+    size flag is never also a literal one."""
+    for family, source in hf_in.SOURCES.items():
+        sizes = hf_models.SIZES[family]
+        flags = list(source.launch_flags)
+        for flag in source.size_flags:
+            assert flag in sizes and flag not in flags, (family, flag)
+        for flag, value in sizes.items():
+            if flag in flags:
+                assert flags[flags.index(flag) + 1] == str(value), (family, flag)
+        assert set(source.layouts) >= {(1, 1), (2, 1)} and family in hf_models.MODELS
+
+
+def test_layouts_are_named_by_their_parallel_sizes():
+    assert [hf_in.layout_name(tp, ep) for tp, ep in hf_in.SOURCES["mixtral"].layouts] == ["tp1", "tp2", "tp1-ep2"]
+
+
+def test_the_tiny_mixtral_is_what_transformers_saves_with_bf16_exact_weights(tmp_path):
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-m", "megaport.train.hf_models", "mixtral", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made = json.loads(proc.stdout.strip().splitlines()[-1])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_local_experts"] == hf_models.EXPERTS == 8 and config["num_experts_per_tok"] == 2
+    assert config["num_key_value_heads"] == hf_models.GROUPS and not config["tie_word_embeddings"]
+    assert len(made["document"]) == hf_models.SEQ and 7.5 < made["loss"] < 10  # the weights' own, not ln(1024)
+    import torch
+    from safetensors.torch import load_file
+
+    for name, weight in load_file(str(tmp_path / "model.safetensors")).items():
+        assert torch.equal(weight.float(), weight.to(torch.bfloat16).float()), name  # the loader stores bf16

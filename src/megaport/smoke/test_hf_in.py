@@ -1,10 +1,11 @@
 """Hugging Face weights in: a tiny model made by ``transformers``, converted by upstream's own
 ``tools/checkpoint/convert.py`` with its docs' command, loads in the ported tree at TP1 and TP2 with
-the loss ``transformers`` computes on the same tokens (:mod:`megaport.train.hf_in`).
+the loss ``transformers`` computes on the same tokens (:mod:`megaport.train.hf_in`); where the
+family's docs convert to an expert-parallel size (Mixtral), at EP2 too.
 
 A family whose loader the tree lacks (Llama on main since May 2026), or a machine without the
 packages the converter imports, is listed in the report with why, never a test that skips.
-Facts: ``hf_in.<family>.tp<N>``.
+Facts: ``hf_in.<family>.tp<N>`` (``tp<N>-ep<M>`` at an expert-parallel size above 1).
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ import pytest
 
 from megaport.smoke import _session
 from megaport.train import hf_in
-
-#: the tensor-parallel sizes the converter writes and pretrain_gpt.py loads
-TP_SIZES = (1, 2)
-
 
 def pytest_generate_tests(metafunc):
     if "hf_row" not in metafunc.fixturenames:
@@ -37,12 +34,12 @@ def pytest_generate_tests(metafunc):
         if why:
             absent.append(f"{family}: {why}")
         else:
-            rows += [(family, tp) for tp in TP_SIZES]
+            rows += [(family, tp, ep) for tp, ep in hf_in.SOURCES[family].layouts]
     smoke.facts["hf_in_absent"] = absent
     if not rows:  # an empty parameter set would be a skip: deselected instead (conftest)
         metafunc.parametrize("hf_row", [pytest.param(None, marks=pytest.mark.no_hf_rows)], ids=["none"])
         return
-    metafunc.parametrize("hf_row", rows, ids=[f"{family}-tp{tp}" for family, tp in rows])
+    metafunc.parametrize("hf_row", rows, ids=[f"{family}-{hf_in.layout_name(tp, ep)}" for family, tp, ep in rows])
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +50,14 @@ def workdir():
 
 
 def test_hf_weights_convert_and_load_with_transformers_loss(smoke, workdir, hf_row):
-    family, tp = hf_row
+    family, tp, ep = hf_row
     facts = smoke.facts.setdefault("hf_in", {}).setdefault(family, {})
+    layout = hf_in.layout_name(tp, ep)
     try:
-        compared = hf_in.round_trip(str(smoke.tree), family, tp, workdir, smoke.subprocess_env(), gpu=smoke.gpu)
+        compared = hf_in.round_trip(str(smoke.tree), family, tp, workdir, smoke.subprocess_env(), gpu=smoke.gpu,
+                                    ep=ep)
     except RuntimeError as exc:
-        facts[f"tp{tp}"] = {"error": str(exc).splitlines()[0]}
+        facts[layout] = {"error": str(exc).splitlines()[0]}
         pytest.fail(str(exc), pytrace=False)
-    facts[f"tp{tp}"] = compared
+    facts[layout] = compared
     assert not compared["problems"], "\n".join(compared["problems"])

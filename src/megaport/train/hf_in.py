@@ -3,15 +3,19 @@
 tree's ``pretrain_gpt.py`` with the docs' launch flags, has the loss ``transformers`` computes on
 the same tokens.
 
-What a user starting from Llama weights runs, in three steps, each its own process:
+What a user starting from Llama or Mixtral weights runs, in three steps, each its own process:
 
 1. ``python -m megaport.train.hf_models FAMILY DIR`` makes the tiny model, its tokenizer, one
    64-token document, and ``transformers``' loss on it (fp32);
 2. the docs' conversion command, at the target tensor-parallel size (on the CPU through megaport's
    launcher, whose substitutions serve upstream's ``torch.cuda`` calls; on a GPU as the docs run it);
 3. ``pretrain_gpt.py`` on the document (upstream's indexed format), one iteration, fp32 (the docs'
-   ``--bf16`` left out: the comparison is of the same numbers), at that TP size: its first logged
-   ``lm loss`` is the loss of the converted weights before any update.
+   ``--bf16`` left out: the comparison is of the same numbers), at that TP (and EP) size: its first
+   logged ``lm loss`` is the loss of the converted weights before any update.
+
+What differs between families (loader, the docs' flags, the tiny model's sizes the docs give for
+their own model, the parallel layouts, where the row departs from the docs and why) is the family's
+:class:`Source` row; the tiny model is ``hf_models.MODELS`` / ``hf_models.SIZES``.
 
 The losses must agree to :data:`TOLERANCE` (Megatron logs 7 digits). Families are rows of
 :data:`SOURCES`; a tree without the family's loader is listed with why, never a skip.
@@ -40,14 +44,25 @@ class Source:
     family: str
     #: the loader module the docs' command names, under tools/checkpoint
     loader: str
-    #: the docs' conversion flags, less the folders and the parallel sizes
+    #: the docs' conversion flags, less the folders, the saver and the parallel sizes
     convert_flags: tuple
-    #: the docs' launch flags for the converted checkpoint, less the folders and TP
+    #: the docs' launch flags for the converted checkpoint, less the folders, the parallel sizes and
+    #: those of :attr:`size_flags`
     launch_flags: tuple
     #: where upstream documents both
     docs: str
     #: what a tree without the loader uses instead, for the report
     elsewhere: str = ""
+    #: the docs' ``--saver``; empty: the era's name for Megatron Core's format (:func:`saver`)
+    saver: str = ""
+    #: launch flags the docs give with their own model's sizes: the tiny model's values go there
+    #: (``hf_models.SIZES``)
+    size_flags: tuple = ()
+    #: the (tensor, expert) parallel sizes the round trip converts to and trains at; an expert
+    #: size above 1 only where the docs' command sets ``--target-expert-parallel-size``
+    layouts: tuple = ((1, 1), (2, 1))
+    #: why the row departs from the docs where it does, for the report and the reader
+    departures: str = ""
 
 
 SOURCES = {s.family: s for s in (
@@ -61,7 +76,33 @@ SOURCES = {s.family: s for s in (
             "--hidden-dropout", "0.0", "--rotary-base", "500000", "--rotary-percent", "1.0", "--swiglu"),
            "docs/llama_mistral.md (Llama 3.x: the conversion, then 'Launch model')",
            elsewhere="upstream removed its Llama loader in May 2026 (39ec5ebeb4); its docs name Megatron-Bridge, "
-                     "which megaport does not run yet"),
+                     "which megaport does not run yet",
+           size_flags=("--num-attention-heads", "--num-query-groups")),
+    Source("mixtral", "loader_mixtral_hf",
+           ("--model-type", "GPT", "--loader", "loader_mixtral_hf"),
+           # train_mixtral_8x7b_distributed.sh, which the README's finetuning section runs on the
+           # converted checkpoint: its MODEL_ARGS, MOE_ARGS and the parallel flags but the sizes
+           ("--pipeline-model-parallel-size", "1", "--use-mcore-models", "--disable-bias-linear",
+            "--init-method-std", "0.01", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+            "--untie-embeddings-and-output-weights", "--group-query-attention", "--no-masked-softmax-fusion",
+            "--no-position-embedding", "--rotary-base", "1000000",
+            "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--sequence-parallel",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--no-load-optim", "--no-load-rng"),
+           "examples/mixtral/README.md (the conversion, then train_mixtral_8x7b_distributed.sh for finetuning)",
+           saver="mcore",
+           size_flags=("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                       "--num-query-groups"),
+           layouts=((1, 1), (2, 1), (1, 2)),
+           departures="the docs' Llama2Tokenizer reads a SentencePiece tokenizer.model, which the tiny model "
+                      "(a tokenizers vocabulary of its own) has not: HuggingFaceTokenizer reads the same "
+                      "vocabulary, and the data is tokenized already, so only its size counts; Megatron's "
+                      "default router (top-k of the logits, then their softmax) is transformers' (softmax, "
+                      "top-k, renormalised) for top-2, so no router flag is added; --bf16 left out (fp32), and with it "
+                      "--moe-grouped-gemm, which upstream allows in bf16 only (its experts then run one "
+                      "after another, as SequentialMLP)"),
 )}
 
 
@@ -118,35 +159,44 @@ def _era_model_size(tree: str, source: Source, flag: str) -> str:
     return flag if f"'{flag}'" in text or not text else _SIZED_NAMES[flag]
 
 
-def convert_command(tree: str, family: str, hf: str, out: str, tp: int, gpu: bool) -> list:
+def layout_name(tp: int, ep: int = 1) -> str:
+    """How the report names a layout: ``tp2``, ``tp1-ep2``."""
+    return f"tp{tp}" + (f"-ep{ep}" if ep > 1 else "")
+
+
+def convert_command(tree: str, family: str, hf: str, out: str, tp: int, gpu: bool, ep: int = 1) -> list:
     """The docs' conversion command (step 2); on the CPU through megaport's launcher."""
     source = SOURCES[family]
     script = os.path.join("tools", "checkpoint", "convert.py")
     flags = [_era_model_size(tree, source, flag) for flag in source.convert_flags]
     start = [sys.executable, script] if gpu else [sys.executable, "-m", "megaport.train.launch", "--cpu", script]
+    expert = ["--target-expert-parallel-size", str(ep)] if any(e > 1 for _, e in source.layouts) else []
     return start + flags + [
-        "--saver", saver(tree), "--load-dir", hf, "--save-dir", out, "--tokenizer-model", hf,
-        "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "1"]
+        "--saver", source.saver or saver(tree), "--load-dir", hf, "--save-dir", out, "--tokenizer-model", hf,
+        "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "1", *expert]
 
 
-def launch_command(family: str, hf: str, checkpoint: str, prefix: str, tp: int, gpu: bool) -> list:
+def launch_command(family: str, hf: str, checkpoint: str, prefix: str, tp: int, gpu: bool, ep: int = 1) -> list:
     """The docs' launch flags for the converted checkpoint (step 3), one fp32 iteration on the document."""
     from megaport.train import hf_models
 
+    source = SOURCES[family]
+    sizes = [str(item) for flag in source.size_flags for item in (flag, hf_models.SIZES[family][flag])]
+    expert = ["--expert-model-parallel-size", str(ep)] if any(e > 1 for _, e in source.layouts) else []
     target = ["-m", "megaport.train.launch", *([] if gpu else ["--cpu"]), "pretrain_gpt.py",
-              "--tensor-model-parallel-size", str(tp), *SOURCES[family].launch_flags,
+              "--tensor-model-parallel-size", str(tp), *expert, *source.launch_flags, *sizes,
               "--tokenizer-model", hf, "--load", checkpoint,
               "--seq-length", str(hf_models.SEQ), "--max-position-embeddings", str(hf_models.POSITIONS),
-              "--num-attention-heads", str(hf_models.HEADS), "--num-query-groups", str(hf_models.GROUPS),
-              "--finetune", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+              "--finetune", "--micro-batch-size", "1", "--global-batch-size", str(ep), "--train-iters", "1",
               "--lr", "1e-6", "--min-lr", "0", "--data-path", prefix, "--split", "100,0,0",
               "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "0"]
-    return torchrun.node_commands(torchrun.Ranks(tp), target)[0]
+    return torchrun.node_commands(torchrun.Ranks(tp * ep), target)[0]
 
 
-def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None = None, gpu: bool = False) -> dict:
-    """Steps 1-3 for ``family`` at TP ``tp`` in ``workdir``: the losses, their difference, the
-    commands and ``problems`` (empty when Megatron's loss is transformers')."""
+def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None = None, gpu: bool = False,
+               ep: int = 1) -> dict:
+    """Steps 1-3 for ``family`` at TP ``tp`` and EP ``ep`` in ``workdir``: the losses, their
+    difference, the commands and ``problems`` (empty when Megatron's loss is transformers')."""
     # The model is made, and converted, by processes that import transformers before any Megatron
     # module (the converter's loader does): whatever transformers then imports (DeepSpeed, which
     # imports apex) is the user's, not the ported tree's, so verify's apex stand-ins stay out of
@@ -162,15 +212,15 @@ def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None =
         made = json.load(handle)
     prefix = os.path.join(workdir, f"document-{family}")
     data.write_indexed_dataset(prefix, [made["document"]])
-    checkpoint = os.path.join(workdir, f"converted-{family}-tp{tp}")
-    convert = convert_command(tree, family, hf, checkpoint, tp, gpu)
+    checkpoint = os.path.join(workdir, f"converted-{family}-{layout_name(tp, ep)}")
+    convert = convert_command(tree, family, hf, checkpoint, tp, gpu, ep)
     converted = _run(convert, tree, tool_env, "upstream's converter")
     if not os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")):
         # convert.py exits 0 when its loader or saver process dies: what they said is the cause
         errors = [line for line in converted.splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
         raise RuntimeError(f"upstream's converter wrote no checkpoint in {checkpoint}"
                            + (f": {errors[-1].strip()}" if errors else ""))
-    launch = launch_command(family, hf, checkpoint, prefix, tp, gpu)
+    launch = launch_command(family, hf, checkpoint, prefix, tp, gpu, ep)
     trained = log.parse_log(_run(launch, tree, run_env, "pretrain_gpt.py on the converted checkpoint"))
     if not trained:
         raise RuntimeError("pretrain_gpt.py logged no iteration on the converted checkpoint")
@@ -180,6 +230,6 @@ def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None =
         f"Megatron's loss on the converted weights is {loss:.6f}, transformers' {reference:.6f} "
         f"({difference:.1e} apart, at most {TOLERANCE:.0e})"]
     return {"loss": loss, "transformers_loss": reference, "relative_difference": difference, "problems": problems,
-            "transformers": made["transformers"], "tp": tp, "docs": SOURCES[family].docs,
+            "transformers": made["transformers"], "tp": tp, "ep": ep, "docs": SOURCES[family].docs,
             "convert_command": " ".join(convert), "launch_command": " ".join(launch),
             "port_log": log.port_lines(converted)}

@@ -16,6 +16,11 @@ import sys
 
 #: the tiny models' sizes: GQA (4 heads, 2 groups), a RoPE base other than Megatron's default, untied
 VOCAB, HIDDEN, LAYERS, HEADS, GROUPS, SEQ = 1024, 64, 2, 4, 2, 64
+#: the Llama's FFN width
+FFN = 176
+#: the Mixtral's experts: as many as the docs' --num-experts, each routed to two at a time, each
+#: expert's FFN narrower than the Llama's (8 x 48 x 64 x 3 weights a layer)
+EXPERTS, TOPK, MOE_FFN = 8, 2, 48
 #: upstream's Llama loader fixes --seq-length at 4096: the position table must reach it
 POSITIONS = 8192
 #: weights drawn wide enough that the loss is the weights' own (8.13 here), far from a near-uniform
@@ -39,14 +44,44 @@ def _llama():
     import transformers
 
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=LAYERS,
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POSITIONS,
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         initializer_range=INIT_STD))
 
 
+def _mixtral():
+    """Mixtral as upstream's examples/mixtral runs it: 8 experts, top-2 (the docs' --num-experts 8
+    --moe-router-topk 2), RoPE base 1e6 (the docs' --rotary-base 1000000), untied; no router jitter;
+    its weights rounded to bf16's, which upstream's loader stores (it sets bf16)."""
+    import torch
+    import transformers
+
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MOE_FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POSITIONS,
+        num_local_experts=EXPERTS, num_experts_per_tok=TOPK, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=INIT_STD, router_jitter_noise=0.0))
+    # upstream's loader converts to bf16 (it sets --bf16): weights bf16 holds exactly convert losslessly,
+    # so Megatron's fp32 run has the weights transformers' has
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    return model
+
+
 #: family -> the transformers model it makes
-MODELS = {"llama": _llama}
+MODELS = {"llama": _llama, "mixtral": _mixtral}
+
+#: family -> the tiny model's sizes as Megatron's flags name them, for the flags a Source row's docs
+#: give with their own model's values (hf_in.Source.size_flags)
+SIZES = {
+    "llama": {"--num-layers": LAYERS, "--hidden-size": HIDDEN, "--ffn-hidden-size": FFN,
+              "--num-attention-heads": HEADS, "--num-query-groups": GROUPS},
+    "mixtral": {"--num-layers": LAYERS, "--hidden-size": HIDDEN, "--ffn-hidden-size": MOE_FFN,
+                "--num-attention-heads": HEADS, "--num-query-groups": GROUPS,
+                "--num-experts": EXPERTS, "--moe-router-topk": TOPK},
+}
 
 
 def make(family: str, out: str) -> dict:
