@@ -95,27 +95,33 @@ def test_grouped_gemm_experts_that_write_no_distributed_checkpoint_are_left_out_
     assert "--moe-grouped-gemm" not in argv and "--num-experts" in argv
 
 
-def test_one_rank_builds_the_model_the_layouts_build_where_they_share_one_initialisation(tmp_path):
-    """Core 0.5-0.6 build the legacy model unless told ``--use-mcore-models``, which every layout run
-    is told; without distributed checkpoints the one-rank reference and the layout share one CPU
-    draw, and the reference built the legacy model from it: another model (main 2024-02 Llama 2.6 %
-    apart, Mixtral 1.7 %)."""
-    from megaport.train.checks import one_rank
+def test_before_checkpoints_reshard_one_ranks_megatron_core_checkpoint_is_split_for_each_layout(tmp_path, monkeypatch):
+    """Core 0.4-0.5 build the legacy model unless told ``--use-mcore-models`` (every layout run is
+    told) and write one file per rank: one rank writes Megatron Core's model's checkpoint, and each
+    layout loads megaport's split of it (one CPU draw split by rows was another model: core_v0.5.0
+    Llama TP2 31 % in grad norm; the legacy model on one rank another still, 2.6 % in loss)."""
+    from megaport.train.checks import legacy_reshard, one_rank
     from megaport.train.checks.spec import Context
 
     tree = _tree(tmp_path, ["--use-mcore-models", "--use-cpu-initialization", "--tensor-model-parallel-size",
                             "--num-query-groups", *LLAMA_FLAGS])
+    written, splits = [], []
+    monkeypatch.setattr(one_rank.pretrain, "run_pretrain", lambda run, env=None: written.append(run) or {})
+    monkeypatch.setattr(legacy_reshard, "reshard_beside", lambda t, source, target, split: splits.append(split) or target)
     start = one_rank.shared_start(Context(tree, None, False, {}, str(tmp_path)),
-                                  pretrain.Run(tree=tree, family="llama", sizes=example.Sizes(steps=5)))
-    run = start.of(pretrain.Run(tree=tree, family="llama", sizes=example.Sizes(steps=5, heads=4)))
-    one = pretrain.command(run, tree).argv
-    tp2 = pretrain.command(dataclasses.replace(run, layout="tp2"), tree).argv
-    for argv in (one, tp2):
-        assert argv.count("--use-mcore-models") == 1 and "--use-cpu-initialization" in argv
+                                  pretrain.Run(tree=tree, family="llama", sizes=example.Sizes(steps=5, heads=4)))
+    ((writer,),) = [written]
+    assert writer.save == start.load and writer.load is None
+    run = pretrain.Run(tree=tree, family="llama", sizes=example.Sizes(steps=5, heads=4))
+    one = pretrain.command(start.of(run), tree).argv
+    tp2 = pretrain.command(start.of(dataclasses.replace(run, layout="tp2")), tree).argv
+    assert example.flag_value(one, "--load") == start.load
+    assert example.flag_value(tp2, "--load") == start.load + "-tp2-ep1" and splits == [legacy_reshard.Split(2, 1)]
+    for argv in (one, tp2, pretrain.command(writer, tree).argv):
+        assert argv.count("--use-mcore-models") == 1 and "--use-cpu-initialization" not in argv
         assert example.flag_value(argv, "--num-query-groups") == "2"  # Megatron Core's half the heads, on each side
-    legacy = _tree(tmp_path / "later", ["--use-mcore-models", "--use-legacy-models", "--use-cpu-initialization",
-                                        *LLAMA_FLAGS])
-    assert one_rank._one_kind_of_model(legacy) == ()  # core 0.7 on: Megatron Core's is the default
+    later = _tree(tmp_path / "later", ["--use-mcore-models", "--use-legacy-models", *LLAMA_FLAGS])
+    assert one_rank._one_kind_of_model(later) == ()  # core 0.7 on: Megatron Core's is the default
 
 
 def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):

@@ -47,7 +47,7 @@ def _written(context: Context, family: str, layout, sized_for) -> pretrain.Run:
     shared_as = one_rank.key(context, base) + ("written", layout.name)
     # named by what it is shared under: layouts of the same sizes share one rank's run, and its folder
     folder = os.path.join(context.workdir, f"written-{family}-{layout.name}-{zlib.crc32(repr(shared_as).encode()):08x}")
-    run = dataclasses.replace(start.of(base), layout=layout.name, save=folder,
+    run = dataclasses.replace(start.of(dataclasses.replace(base, layout=layout.name)), save=folder,
                               sizes=dataclasses.replace(base.sizes, steps=WRITE_STEPS))
     one_rank.once(shared_as, lambda: pretrain.run_pretrain(run, context.env))
     if not os.path.exists(os.path.join(folder, _TRACKER)):

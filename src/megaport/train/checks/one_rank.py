@@ -9,11 +9,12 @@ the same global batch. Their per-iteration loss and grad norm are then compared 
 compares two trees (:func:`megaport.train.parity.parity_problems`): loss within 1 %, grad norm
 within 5 %, over a window in which the model measurably learns.
 
-Eras before distributed checkpoints (core 0.5) write one file per (tensor, pipeline) rank, which
-another layout cannot load; there both sides draw one initialisation instead
-(``--use-cpu-initialization``: the full weights drawn once on the CPU, then split), and a layout
-with pipeline stages, which seed their own weights, is compared with unported upstream in that
-layout rather than with one rank.
+Eras before distributed checkpoints (before 2024-03) write one file per (tensor, pipeline) rank,
+which another layout cannot load. Where they build Megatron Core's models (core 0.4-0.5), one
+rank's checkpoint is split for each TP/EP layout by megaport (:mod:`legacy_reshard`); older eras'
+legacy models draw one initialisation on both sides (``--use-cpu-initialization``: the full
+weights drawn once on the CPU, then split). A layout with pipeline stages, which seed their own
+weights, is compared with unported upstream in that layout rather than with one rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import threading
 
 from megaport.train import example, parity, pretrain, tree_files
+from megaport.train.checks import legacy_reshard
 from megaport.train.checks.spec import Check, Context
 from megaport.train.layouts import registry as layouts
 
@@ -45,11 +47,24 @@ class Start:
     extra: tuple = ()
     #: the family's flags every side leaves out: ((flag, why), ...)
     left_out: tuple = ()
+    #: the tree whose one-rank legacy checkpoint megaport splits for each layout (:mod:`legacy_reshard`), or None
+    split_for_layouts_of: str | None = None
 
     def of(self, run: pretrain.Run) -> pretrain.Run:
         """``run`` (either tree's, any layout) starting here."""
-        return dataclasses.replace(run, load=self.load, extra=run.extra + self.extra,
+        return dataclasses.replace(run, load=self._load_for(run.layout), extra=run.extra + self.extra,
                                    left_out=run.left_out + self.left_out)
+
+    def _load_for(self, layout_name: str) -> str | None:
+        """The checkpoint ``layout_name``'s ranks load: one rank's, or its split for them, made once."""
+        layout = layouts.get(layout_name)
+        split = legacy_reshard.Split(layout.tensor_parallel,
+                                     int(example.flag_value(list(layout.flags), "--expert-model-parallel-size") or 1))
+        if not (self.load and self.split_for_layouts_of) or split == legacy_reshard.Split():
+            return self.load
+        target = f"{self.load}-tp{split.tensor}-ep{split.expert}"
+        return once(("split", target),
+                    lambda: legacy_reshard.reshard_beside(self.split_for_layouts_of, self.load, target, split))
 
     @property
     def described(self) -> str:
@@ -144,17 +159,27 @@ def _drawn_as_every_era(tree: str) -> tuple:
 
 
 #: core 0.5-0.6 build the legacy model unless told ``--use-mcore-models``, which every layout run
-#: is told (its parallel features are Megatron Core's): the one-rank reference built the legacy model
-#: from the same CPU draw, another model (main 2024-02 Llama: 0.5 % apart at iteration 1, 2.6 % by 30,
-#: Mixtral 1.7 %; GPT's two models happen to agree)
-_MCORE_EVERY_SIDE = ("--use-mcore-models", "every side builds Megatron Core's model, as the layouts do: from one "
-                                           "initialisation the legacy model is another model")
+#: is told (its parallel features are Megatron Core's): the one-rank side built the legacy model,
+#: another model (core_v0.5.0 Llama dp2-distopt from one CPU draw: 2.6 % in loss, 61 % in grad norm)
+_MCORE_EVERY_SIDE = ("--use-mcore-models", "every side builds Megatron Core's model, as the layouts do: the legacy "
+                                           "model is another model")
 
 
 def _one_kind_of_model(tree: str) -> tuple:
     """The flags that make one rank build the model every layout builds: ((flags, why),) or ()."""
     flag, why = _MCORE_EVERY_SIDE
     return (((flag,), why),) if pretrain.legacy_models_by_default(tree) else ()
+
+
+def _split_knows_no_grouped_experts(tree: str, family: str) -> tuple:
+    """Where megaport splits one rank's legacy checkpoint, every side builds the sequential experts
+    (:mod:`legacy_reshard` splits their keys, not the grouped GEMM's packed weights): ((flag, why),) or ()."""
+    from megaport.train.families import registry
+
+    if "--moe-grouped-gemm" not in registry.get(family).flags(tree)[0]:
+        return ()
+    return (("--moe-grouped-gemm", "one rank's checkpoint is split for each layout by megaport, which splits the "
+                                   "sequential experts: every side builds them (the same experts, one GEMM each)"),)
 
 
 def shared_count() -> int:
@@ -168,12 +193,16 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
     ``--use-cpu-initialization``'s weights."""
     def make() -> Start:
         unsaved = _unsaved(context.tree)
-        if unsaved:
+        folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
+        if unsaved and _one_kind_of_model(context.tree):
+            start = Start(load=folder, extra=_one_kind_of_model(context.tree), split_for_layouts_of=context.tree,
+                          left_out=_split_knows_no_grouped_experts(context.tree, run.family))
+        elif unsaved:
             why = (f"every layout draws one initialisation: {unsaved}, and on the CPU the full weights are drawn "
                    "once, then split")
-            return Start(extra=((("--use-cpu-initialization",), why),) + _one_kind_of_model(context.tree))
-        folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
-        start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
+            return Start(extra=((("--use-cpu-initialization",), why),))
+        else:
+            start = Start(load=folder, left_out=_unsaved_experts(context.tree, run.family))
         writer = start.of(run)
         pretrain.run_pretrain(dataclasses.replace(writer, load=None, save=folder,
                                                   extra=writer.extra + _drawn_as_every_era(context.tree),
@@ -189,7 +218,7 @@ def layout_run(context: Context, family: str, layout, sized_for=None) -> tuple:
     with) or its own: (the run, its document), made once a session (a layout's checks share it)."""
     base = base_run(context, family, sized_for or layout)
     start = shared_start(context, base)
-    run = dataclasses.replace(start.of(base), layout=layout.name)
+    run = start.of(dataclasses.replace(base, layout=layout.name))  # the layout's own split of the start
     return run, once(key(context, base) + (layout.name,), lambda: pretrain.run_pretrain(run, context.env))
 
 

@@ -16,8 +16,9 @@ def compare(context: Context, family: str, layout) -> dict:
     if not context.upstream_sha:
         raise RuntimeError("the tree records no upstream commit (.git/megaport/state.json)")
     run, mine = one_rank.layout_run(context, family, layout)
-    unported = one_rank.shared_start(context, run).of(one_rank.base_run(context, family, layout, "fusions-off"))
-    base, _ = baseline.run_unported(dataclasses.replace(unported, layout=layout.name), context.upstream_sha)
+    unported = one_rank.shared_start(context, run).of(
+        dataclasses.replace(one_rank.base_run(context, family, layout, "fusions-off"), layout=layout.name))
+    base, _ = baseline.run_unported(unported, context.upstream_sha)
     compared = parity.loss_parity(mine, base)
     compared.update(against="unported upstream, fusions off, same layout and start",
                     baseline_shims=base["baseline_shims"])
