@@ -75,8 +75,14 @@ SOURCES = {s.family: s for s in (
             "--transformer-impl", "transformer_engine", "--group-query-attention", "--attention-dropout", "0.0",
             "--hidden-dropout", "0.0", "--rotary-base", "500000", "--rotary-percent", "1.0", "--swiglu"),
            "docs/llama_mistral.md (Llama 3.x: the conversion, then 'Launch model')",
+           # Megatron-Bridge, tried on main d98e8a64dd (2026-11): 0.5.1, 0.6.2 and its main (067f987) import
+           # transformer_engine unconditionally (peft/lora_layers.py, its annotations evaluated at class
+           # definition), which the port cannot answer without a TE stub visible to the ported megatron.core
+           # too; with that file guarded, the docs' import then trains with transformers' loss (1.3e-7, TP1
+           # and TP2). Its docs' script left Bridge's main in c8344d0f4 (2026-07-15) for scripts/conversion.
            elsewhere="upstream removed its Llama loader in May 2026 (39ec5ebeb4); its docs name Megatron-Bridge, "
-                     "which megaport does not run yet",
+                     "which imports TransformerEngine unconditionally (megatron/bridge/peft/lora_layers.py): "
+                     "blocked on Bridge without TE",
            size_flags=("--num-attention-heads", "--num-query-groups")),
     Source("mixtral", "loader_mixtral_hf",
            ("--model-type", "GPT", "--loader", "loader_mixtral_hf"),
