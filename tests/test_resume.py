@@ -224,3 +224,14 @@ def test_a_resume_leaves_out_the_example_s_flags_that_would_start_it_afresh(tmp_
     for resumed in (False, True):
         left_out = dict(resume._checkpoint_run(run, str(tmp_path / "ckpt"), resumed).left_out)
         assert {"--no-load-optim", "--no-load-rng", "--finetune", "--no-save-optim", "--no-save-rng"} <= set(left_out)
+
+
+def test_the_forks_distributed_optimizer_layout_is_not_resumed_under_deepspeeds_engine(tmp_path):
+    """Megatron-DeepSpeed under its engine: the optimizer is DeepSpeed's, and the fork's save asked it
+    for Megatron's distributed optimizer's parameter state (mds-2024-12: AttributeError
+    'save_parameter_state'); its ZeRO checkpoints are resumed in dp2-zero1."""
+    from test_deepspeed_train import fork_tree
+
+    tree = str(fork_tree(tmp_path / "tree"))
+    assert "DeepSpeed's engine" in resume.not_for(layouts.get("dp2-distopt"), tree)
+    assert resume.not_for(layouts.get("dp2-zero1"), tree) is None

@@ -3,6 +3,7 @@ computing what apex/TE/upstream's later fix computes, and never the port's code.
 
 from __future__ import annotations
 
+import contextlib
 import ast
 import json
 import os
@@ -52,11 +53,15 @@ def _fake_upstream(root: Path, files: dict) -> Path:
 
 
 def test_every_shim_is_a_module_with_its_description_and_pattern():
-    """Each shim answers a failure (its pattern) or is one a model family starts its baseline with."""
+    """Each shim answers a failure (its pattern) or is one a model family, or a check that resumes or
+    writes a checkpoint, starts its baseline with."""
+    from megaport.train import baseline
+    from megaport.train.checks import cross_load
     from megaport.train.families import registry as families
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
-    assert len(registry.REGISTRY) == 30
+    up_front |= set(baseline.LOADING_SHIMS) | set(cross_load.WRITING)
+    assert len(registry.REGISTRY) == 31
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -956,3 +961,64 @@ def test_the_trusting_load_shim_reads_a_megatron_checkpoint_where_the_call_says_
     assert torch.load(path)["args"].lr == 3e-3
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)
+
+
+def test_an_unported_run_that_loads_starts_trusting_its_own_pickles_where_the_era_needs_it(tmp_path, monkeypatch):
+    """Core 0.5 prints a refused ``torch.load`` and exits (no exception to answer): an unported run that
+    loads a checkpoint lists torch-load-trusting up front where the era's loads say nothing of
+    ``weights_only``; a run that loads nothing, or an era that says it, does not."""
+    from megaport.train import baseline, pretrain
+    from megaport.train.shims import torch_load_trusting
+
+    old, fixed = tmp_path / "old", tmp_path / "fixed"
+    for tree, call in ((old, "torch.load(name, map_location='cpu')"),
+                       (fixed, "torch.load(name, map_location='cpu', weights_only=False)")):
+        (tree / "megatron").mkdir(parents=True)
+        (tree / "megatron" / "checkpointing.py").write_text(f"    state_dict = {call}\n")
+    assert torch_load_trusting.applies(str(old)) and not torch_load_trusting.applies(str(fixed))
+    assert not torch_load_trusting.applies(str(tmp_path))
+    started = []
+
+    @contextlib.contextmanager
+    def unported(tree, sha):
+        yield tree, {}
+
+    monkeypatch.setattr(baseline, "unported_upstream", unported)
+    monkeypatch.setattr(baseline, "with_fewest_shims", lambda go, env, first: started.append(first) or ({}, first))
+    for tree in (old, fixed):
+        for load in ("/ck", None):
+            baseline.run_unported(pretrain.Run(tree=str(tree), family="gpt", load=load), "0" * 40, also=("apex",))
+    assert started == [["apex", "torch-load-trusting"], ["apex"], ["apex"], ["apex"]]
+
+
+def test_overlap_gather_save_finishes_the_gather_before_the_save_in_its_window(tmp_path):
+    """main 2023-11-17 … 2024-05-04: the checkpoint held the other ranks' weights one step old (the
+    ported tree resuming it: 20 % in grad norm at its first iteration); upstream's ac08742c96 finished
+    the gather first."""
+    import types
+
+    from megaport.train.shims import overlap_gather_save
+
+    def tree(name, training):
+        root = tmp_path / name
+        (root / "megatron" / "optimizer").mkdir(parents=True)
+        (root / "megatron" / "optimizer" / "distrib_optimizer.py").write_text("    def disable_pre_hook(self):\n")
+        (root / "megatron" / "training.py").write_text(training)
+        return str(root)
+
+    window = tree("window", "def save_checkpoint_and_time(iteration, model, optimizer):\n    save_checkpoint()\n")
+    fixed = tree("fixed", "def save_checkpoint_and_time(iteration, model, optimizer):\n"
+                          "    optimizer.disable_pre_hook()\n")
+    assert overlap_gather_save.applies(window) and not overlap_gather_save.applies(fixed)
+    assert not overlap_gather_save.applies(str(tmp_path))
+    calls = []
+    optimizer = types.SimpleNamespace(disable_pre_hook=lambda: calls.append("gathered"),
+                                      enable_pre_hook=lambda: calls.append("hooked again"))
+    for overlap in (True, False):
+        module = types.SimpleNamespace(
+            get_args=lambda overlap=overlap: types.SimpleNamespace(use_distributed_optimizer=True,
+                                                                   overlap_param_gather=overlap),
+            save_checkpoint_and_time=lambda iteration, model, optimizer: calls.append(f"saved {iteration}"))
+        overlap_gather_save._gathered_first(module)
+        module.save_checkpoint_and_time(15, None, optimizer)
+    assert calls == ["gathered", "saved 15", "hooked again", "saved 15"]

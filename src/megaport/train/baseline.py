@@ -72,18 +72,25 @@ def with_fewest_shims(start, env: dict, *, attempts: int = 8, first: tuple = ())
     raise RuntimeError(f"the unported upstream did not start even with the shims {names}")
 
 
-def run_unported(run, sha: str, also: tuple = ()) -> tuple[dict, list]:
+#: what an unported run that loads a checkpoint starts with, where it applies: eras that print a refused
+#: load and exit leave no exception for a shim to answer
+LOADING_SHIMS = ("torch-load-trusting",)
+
+
+def run_unported(run, sha: str, also: tuple = (), where_they_apply: tuple = ()) -> tuple[dict, list]:
     """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
     given (its mode, sizes, learning rate and dropout): (the result, the shims it needed, listed in
     the result). ``also``: shims a check starts it with beside the family's (what the box it stands
-    for has, such as apex)."""
+    for has, such as apex); ``where_they_apply``: shims it starts with where the unported tree's era
+    needs them (each shim's ``applies``), as the family's own."""
     from megaport.train.families import registry
     from megaport.train.pretrain import run_pretrain
 
     with unported_upstream(run.tree, sha) as (folder, env):
         upstream = dataclasses.replace(run, tree=folder)
+        wanted = [*(LOADING_SHIMS if run.load else ()), *where_they_apply, *registry.get(run.family).baseline_shims]
         result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env,
-                                          first=[*also, *(name for name in registry.get(run.family).baseline_shims
-                                                          if shims.applies(name, folder) and name not in also)])
+                                          first=[*also, *dict.fromkeys(name for name in wanted
+                                                                       if shims.applies(name, folder) and name not in also)])
     result["baseline_shims"] = [shims.describe(s) for s in names]
     return result, names

@@ -44,8 +44,16 @@ DIRECTIONS = (UPSTREAM_RESUMES, PORT_RESUMES)
 NVIDIA_BOX = ("apex",)
 
 
+#: what the NVIDIA box's upstream is given where it writes the checkpoint another side resumes, in the
+#: eras that need it (each shim's ``applies``): upstream's own fix of a checkpoint written one step old
+#: with ``--overlap-param-gather`` (2023-11 … 2024-05), which a real box of that window lacks too: the
+#: port's side is held to the uninterrupted run, not to upstream's bug
+WRITING = ("overlap-gather-save",)
+
+
 def _unported(run: pretrain.Run, sha: str) -> dict:
-    result, _ = baseline.run_unported(run, sha, also=NVIDIA_BOX)
+    writes = WRITING if run.save and "--overlap-param-gather" in layouts.get(run.layout).flags else ()
+    result, _ = baseline.run_unported(run, sha, also=NVIDIA_BOX, where_they_apply=writes)
     return result
 
 

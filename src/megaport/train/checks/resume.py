@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megaport import deepspeed_fork
 from megaport.train import parity, pretrain, tree_files
 from megaport.train.checks import one_rank
 from megaport.train.checks.spec import Check, Context, loss_figures
@@ -139,6 +140,10 @@ def not_for(layout, tree: str) -> str | None:
     """Why the resume is not checked in ``layout``: it does not shard the optimizer's state with
     upstream's distributed optimizer (one rank's resume, checked beside each layout that does,
     stands for the others)."""
+    if SHARDED_OPTIMIZERS[0] in layout.flags and deepspeed_fork.is_deepspeed_tree(tree):
+        return (f"under DeepSpeed's engine the optimizer is DeepSpeed's, not Megatron's distributed one (the fork's "
+                f"save asks it for that one's parameter state: AttributeError 'save_parameter_state'); DeepSpeed's "
+                f"ZeRO checkpoints are resumed in dp2-zero1")
     if any(flag in layout.flags for flag in SHARDED_OPTIMIZERS):
         return None
     return (f"resumes are checked where {' or '.join(SHARDED_OPTIMIZERS)} shards the optimizer's state, and on one "

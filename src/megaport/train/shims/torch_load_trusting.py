@@ -23,6 +23,21 @@ REPRODUCES = "torch < 2.6's torch.load default, or upstream's f574182520"
 PATTERN = (Match(("UnpicklingError",), message=r"Weights only load failed"),)
 #: torch's own environment switch (torch.serialization.load reads it at each call)
 SWITCH = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+#: where the era's own checkpoint loads are, newest first
+CHECKPOINTING = ("megatron/training/checkpointing.py", "megatron/checkpointing.py")
+
+
+def applies(tree: str) -> bool:
+    """Whether the era's checkpointing has a ``torch.load`` call that says nothing of ``weights_only``:
+    listed up front for an unported run that loads a checkpoint, since that era prints the refusal
+    and exits (``except BaseException: print_rank_0(e); sys.exit()``), no exception left to answer
+    (core 0.5 resuming the ported tree's checkpoint: "the run ... took no optimizer step")."""
+    for path in CHECKPOINTING:
+        full = os.path.join(tree, path)
+        if os.path.exists(full):
+            with open(full, encoding="utf-8") as handle:
+                return any("torch.load(" in line and "weights_only" not in line for line in handle)
+    return False
 
 
 def install() -> None:
