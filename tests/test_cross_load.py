@@ -4,8 +4,10 @@ run. The training itself runs in ``megaport verify --checks cross-load``."""
 
 from __future__ import annotations
 
-from megaport.train import parity
-from megaport.train.checks import cross_load
+import dataclasses
+
+from megaport.train import parity, pretrain
+from megaport.train.checks import cross_load, resume
 from megaport.train.checks import registry as checks
 from megaport.train.layouts import registry as layouts
 
@@ -70,3 +72,22 @@ def test_the_report_row_names_each_direction_on_one_rank_and_in_the_layout():
     row = cross_load.figures({"one_rank": side, "layout": side})
     assert row.count("one rank, ") == 2 and row.count("layout, ") == 2
     assert "upstream resumes the port's: loss 0.0e+00" in row
+
+
+def test_upstream_writing_with_overlapped_param_gather_gets_the_eras_save_fix(tmp_path, monkeypatch):
+    """main 2023-11 … 2024-05 wrote a checkpoint one step old with --overlap-param-gather (the ported
+    tree resuming it: 20 % in grad norm at its first iteration): the unported side that writes it is
+    given upstream's later fix, where its era needs it; the side that resumes is not."""
+    from megaport.train import baseline
+
+    started = []
+    monkeypatch.setattr(baseline, "run_unported", lambda run, sha, also=(), where_they_apply=():
+                        started.append(where_they_apply) or ({}, []))
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "arguments.py").write_text(
+        "def add(group):\n    group.add_argument('--overlap-param-gather')\n")
+    run = pretrain.Run(tree=str(tmp_path), family="llama", layout="dp2-distopt")
+    cross_load._unported(resume._checkpoint_run(run, "/ck", False), "0" * 40)
+    cross_load._unported(resume._checkpoint_run(run, "/ck", True), "0" * 40)
+    cross_load._unported(resume._checkpoint_run(dataclasses.replace(run, layout="tp2"), "/ck", False), "0" * 40)
+    assert started == [("overlap-gather-save",), (), ()]

@@ -988,7 +988,9 @@ def test_an_unported_run_that_loads_starts_trusting_its_own_pickles_where_the_er
     for tree in (old, fixed):
         for load in ("/ck", None):
             baseline.run_unported(pretrain.Run(tree=str(tree), family="gpt", load=load), "0" * 40, also=("apex",))
-    assert started == [["apex", "torch-load-trusting"], ["apex"], ["apex"], ["apex"]]
+    resuming = pretrain.Run(tree=str(old), family="gpt", extra=((("--load", "/ck"), "resumes"),))  # the resume check's
+    baseline.run_unported(resuming, "0" * 40, also=("apex",))
+    assert started == [["apex", "torch-load-trusting"], ["apex"], ["apex"], ["apex"], ["apex", "torch-load-trusting"]]
 
 
 def test_overlap_gather_save_finishes_the_gather_before_the_save_in_its_window(tmp_path):

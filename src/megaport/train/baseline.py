@@ -77,6 +77,12 @@ def with_fewest_shims(start, env: dict, *, attempts: int = 8, first: tuple = ())
 LOADING_SHIMS = ("torch-load-trusting",)
 
 
+def gives(run, flag: str) -> bool:
+    """Whether ``run`` gives upstream ``flag`` (``--load``, ``--save``): its own field, or a check's extra flags."""
+    field = {"--load": run.load, "--save": run.save}.get(flag)
+    return bool(field) or any(flag in added for added, _ in run.extra)
+
+
 def run_unported(run, sha: str, also: tuple = (), where_they_apply: tuple = ()) -> tuple[dict, list]:
     """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
     given (its mode, sizes, learning rate and dropout): (the result, the shims it needed, listed in
@@ -88,7 +94,8 @@ def run_unported(run, sha: str, also: tuple = (), where_they_apply: tuple = ()) 
 
     with unported_upstream(run.tree, sha) as (folder, env):
         upstream = dataclasses.replace(run, tree=folder)
-        wanted = [*(LOADING_SHIMS if run.load else ()), *where_they_apply, *registry.get(run.family).baseline_shims]
+        wanted = [*(LOADING_SHIMS if gives(run, "--load") else ()), *where_they_apply,
+                  *registry.get(run.family).baseline_shims]
         result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env,
                                           first=[*also, *dict.fromkeys(name for name in wanted
                                                                        if shims.applies(name, folder) and name not in also)])

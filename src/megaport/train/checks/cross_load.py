@@ -52,7 +52,8 @@ WRITING = ("overlap-gather-save",)
 
 
 def _unported(run: pretrain.Run, sha: str) -> dict:
-    writes = WRITING if run.save and "--overlap-param-gather" in layouts.get(run.layout).flags else ()
+    writes = WRITING if (baseline.gives(run, "--save")
+                         and "--overlap-param-gather" in layouts.get(run.layout).flags_for(run.tree)) else ()
     result, _ = baseline.run_unported(run, sha, also=NVIDIA_BOX, where_they_apply=writes)
     return result
 
