@@ -1008,7 +1008,8 @@ def test_overlap_gather_save_finishes_the_gather_before_the_save_in_its_window(t
         (root / "megatron" / "training.py").write_text(training)
         return str(root)
 
-    window = tree("window", "def save_checkpoint_and_time(iteration, model, optimizer):\n    save_checkpoint()\n")
+    window = tree("window", "def save_checkpoint_and_time(iteration, model, optimizer):\n    save_checkpoint()\n\n\n"
+                            "def evaluate(optimizer):\n    optimizer.disable_pre_hook()\n")  # 2024-02's loop has both
     fixed = tree("fixed", "def save_checkpoint_and_time(iteration, model, optimizer):\n"
                           "    optimizer.disable_pre_hook()\n")
     assert overlap_gather_save.applies(window) and not overlap_gather_save.applies(fixed)

@@ -36,9 +36,10 @@ def applies(tree: str) -> bool:
     """Whether the unported ``tree`` gathers in the forward pre-hook and saves without finishing it."""
     hooked = any("def disable_pre_hook" in (tree_text(tree, path) or "") for path in _HOOKED)
     for path, _ in _MODULES:
-        text = tree_text(tree, path)
-        if text is not None and "def save_checkpoint_and_time" in text:
-            return hooked and "disable_pre_hook" not in text
+        text = tree_text(tree, path) or ""
+        if "def save_checkpoint_and_time" in text:  # the training loop disables the hook elsewhere too (evaluation)
+            body = text.split("def save_checkpoint_and_time", 1)[1].split("\ndef ", 1)[0]
+            return hooked and "disable_pre_hook" not in body
     return False
 
 
