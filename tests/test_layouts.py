@@ -117,6 +117,8 @@ def test_before_checkpoints_reshard_one_ranks_megatron_core_checkpoint_is_split_
     tp2 = pretrain.command(start.of(dataclasses.replace(run, layout="tp2")), tree).argv
     assert example.flag_value(one, "--load") == start.load
     assert example.flag_value(tp2, "--load") == start.load + "-tp2-ep1" and splits == [legacy_reshard.Split(2, 1)]
+    pp2 = pretrain.command(start.of(dataclasses.replace(run, layout="pp2")), tree).argv
+    assert "--load" not in pp2  # stages are not split: pp2 is compared with unported upstream from the same seeds
     for argv in (one, tp2, pretrain.command(writer, tree).argv):
         assert argv.count("--use-mcore-models") == 1 and "--use-cpu-initialization" not in argv
         assert example.flag_value(argv, "--num-query-groups") == "2"  # Megatron Core's half the heads, on each side

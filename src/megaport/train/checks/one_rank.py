@@ -60,7 +60,11 @@ class Start:
         layout = layouts.get(layout_name)
         split = legacy_reshard.Split(layout.tensor_parallel,
                                      int(example.flag_value(list(layout.flags), "--expert-model-parallel-size") or 1))
-        if not (self.load and self.split_for_layouts_of) or split == legacy_reshard.Split():
+        if not (self.load and self.split_for_layouts_of):
+            return self.load
+        if int(example.flag_value(list(layout.flags), "--pipeline-model-parallel-size") or 1) > 1:
+            return None  # not split into stages: compared with unported upstream, each from the same seeds
+        if split == legacy_reshard.Split():
             return self.load
         target = f"{self.load}-tp{split.tensor}-ep{split.expert}"
         return once(("split", target),
