@@ -607,6 +607,29 @@ def test_the_tp_ranks_copies_are_found_in_a_legacy_models_nested_state(tmp_path)
     assert [float(t[0]) for t in copies["language_model.encoder.layers.0.input_layernorm.weight"]] == [1.0, 1.5]
 
 
+def test_tp_replicas_reads_the_checkpoint_deepspeeds_engine_writes(tmp_path):
+    """The Megatron-DeepSpeed fork under DeepSpeed's engine saves global_step<N>/mp_rank_<tp>_model_states.pt,
+    the model under "module" (the check said 'the layout's run wrote no checkpoint'); the newest
+    step is the largest number, not the last name (global_step10 sorts before global_step3)."""
+    import torch
+
+    from megaport.train.checks import tp_replicas
+
+    for step, scale in ((3, 9.0), (10, 1.5)):
+        folder = tmp_path / f"global_step{step}"
+        folder.mkdir()
+        for rank in (0, 1):
+            encoder = {"layers.0.input_layernorm.bias": torch.ones(4) * (scale if rank else 1.0),
+                       "layers.0.mlp.dense_4h_to_h.weight": torch.full((4, 4), float(rank))}
+            torch.save({"module": {"language_model": {"encoder": encoder}}, "optimizer": None, "iteration": step},
+                       folder / f"mp_rank_0{rank}_model_states.pt")
+            torch.save({"optimizer_state_dict": {}}, folder / f"zero_pp_rank_0_mp_rank_0{rank}_optim_states.pt")
+    (tmp_path / "latest").write_text("global_step10")
+    copies = tp_replicas._copies(str(tmp_path))
+    assert list(copies) == ["language_model.encoder.layers.0.input_layernorm.bias"]
+    assert [float(t[0]) for t in copies["language_model.encoder.layers.0.input_layernorm.bias"]] == [1.0, 1.5]
+
+
 def test_selective_recomputation_leaves_out_the_scripts_recompute_method(tmp_path):
     """2022's GPT script says --activations-checkpoint-method uniform; upstream refuses a method
     beside --recompute-granularity selective ('recompute method is not yet supported')."""

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from support.catalogues import write_catalogue
 from test_git_am import git, git_am_tree
 
-from megaport.catalogue import PORT_DIR, SHARED_DIR, load_catalogue
+from megaport.catalogue import LIST_FILE, PORT_DIR, SHARED_DIR, list_entries, load_catalogue
 from megaport.cli import main
 from megaport.regenerate import with_range_trailers
 
@@ -165,7 +165,9 @@ SAMPLE = [
 
 def before_sharing(series: str, target: Path) -> Path:
     """The series folder as of BEFORE_SHARING, beside today's port/ (so the port package's later
-    edits are in both trees); skips where this checkout has no such history."""
+    edits are in both trees), and the patches the series has listed after its last entry since,
+    copied in (a patch a series gained later is in both trees); skips where this checkout has no
+    such history."""
     probe = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BEFORE_SHARING}:patches/{series}/series"],
                            capture_output=True)
     if probe.returncode:
@@ -175,7 +177,13 @@ def before_sharing(series: str, target: Path) -> Path:
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(target), "--strip-components=1"], input=archive, check=True)
     shutil.copytree(ROOT / "patches" / PORT_DIR, target / PORT_DIR)
-    return target / series
+    folder = target / series
+    then = list_entries(folder / LIST_FILE)
+    for _, entry in list_entries(ROOT / "patches" / series / LIST_FILE)[len(then):]:
+        shutil.copy(ROOT / "patches" / series / entry, folder / Path(entry).name)
+        with open(folder / LIST_FILE, "a") as listing:
+            listing.write(Path(entry).name + "\n")
+    return folder
 
 
 @pytest.mark.fullclone

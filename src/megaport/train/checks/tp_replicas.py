@@ -9,7 +9,9 @@ tolerances), but the copies part at the first step. So the layout trains a few i
 own initialisation (every TP rank draws the shared weights from one seed) and saves one file per
 rank, upstream's legacy ``torch`` format, which keeps every rank's copy (the distributed format
 writes one, and upstream main cannot load the shared start in one format and save in the other),
-and the copies are compared here, tensor by tensor.
+and the copies are compared here, tensor by tensor. Where the Megatron-DeepSpeed fork trains
+through DeepSpeed's engine, the engine writes the checkpoint, one file per model-parallel rank too
+(``global_step<N>/mp_rank_<tp>_model_states.pt``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ SHARED_WEIGHTS = re.compile(r"(norm|router)[^.]*\.(weight|bias)$|layer_norm_(wei
 TOLERANCE = 1e-6
 #: a legacy checkpoint's per-rank folder: mp_rank_<tp>[_<pp>][_<ep>]
 _RANK_FOLDER = re.compile(r"mp_rank_(\d{2})(.*)$")
+#: a checkpoint's iteration folder: upstream's iter_<7 digits>, or global_step<N> where the
+#: Megatron-DeepSpeed fork trains through DeepSpeed's engine (which writes the checkpoint)
+_ITERATION = re.compile(r"(?:iter_|global_step)(\d+)$")
+#: DeepSpeed's engine's file of one model-parallel rank: mp_rank_<tp>_model_states.pt, the model
+#: under "module"
+_ENGINE_FILE = re.compile(r"mp_rank_(\d{2})(.*)_model_states\.pt$")
 
 
 #: iterations of the layout's own run: the copies part at the first step that does not all-reduce
@@ -69,12 +77,17 @@ def compare(context: Context, family: str, layout) -> dict:
 def _copies(folder: str) -> dict:
     """Every shared weight of the newest checkpoint in ``folder``: (its model's key, the rest of
     its rank folder's name) -> the TP ranks' tensors."""
-    iterations = sorted(glob.glob(os.path.join(folder, "iter_*")))
+    iterations = sorted((int(m.group(1)), path) for path in glob.glob(os.path.join(folder, "*"))
+                        if (m := _ITERATION.match(os.path.basename(path))) and os.path.isdir(path))
     if not iterations:
         raise RuntimeError(f"the layout's run wrote no checkpoint in {folder}")
+    newest = iterations[-1][1]
+    files = [(path, _RANK_FOLDER.match(os.path.basename(os.path.dirname(path))).group(2))
+             for path in sorted(glob.glob(os.path.join(newest, "mp_rank_*", "*.pt")))]
+    files += [(path, _ENGINE_FILE.match(os.path.basename(path)).group(2))
+              for path in sorted(glob.glob(os.path.join(newest, "mp_rank_*_model_states.pt")))]
     copies: dict = {}
-    for path in sorted(glob.glob(os.path.join(iterations[-1], "mp_rank_*", "*.pt"))):
-        rest = _RANK_FOLDER.match(os.path.basename(os.path.dirname(path))).group(2)
+    for path, rest in files:
         for model, state in _models(path).items():
             for key, tensor in _flat(state):
                 if SHARED_WEIGHTS.search(key) and hasattr(tensor, "shape"):
@@ -96,11 +109,13 @@ def _flat(state: dict, prefix: str = ""):
 def _models(path: str) -> dict:
     """The model state dicts (``model``, or ``model0``, ``model1`` … for virtual stages) of one
     rank's legacy checkpoint file, read without the tree: whatever else it pickled (the run's
-    arguments, Megatron's enums) is read as a placeholder."""
+    arguments, Megatron's enums) is read as a placeholder. DeepSpeed's engine keeps the model under
+    ``module``: it is read as ``model``."""
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TOLERANT)
-    return {k: v for k, v in state.items() if re.fullmatch(r"model\d*", k) and isinstance(v, dict)}
+    return {("model" if k == "module" else k): v for k, v in state.items()
+            if re.fullmatch(r"model\d*|module", k) and isinstance(v, dict)}
 
 
 class _Placeholder:
