@@ -65,13 +65,17 @@ def test_the_launch_is_the_docs_flags_in_fp32_for_one_iteration_at_the_tp_size()
     assert "--cpu pretrain_gpt.py" in flags
 
 
-def test_the_tiny_llama_is_what_transformers_saves_and_its_loss_is_over_the_datasets_sample(tmp_path):
+def _made(family: str, folder):
+    """``python -m megaport.train.hf_models FAMILY FOLDER``, as a user runs it: (its document, the saved config)."""
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, "-m", "megaport.train.hf_models", "llama", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "megaport.train.hf_models", family, str(folder)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    made = json.loads(proc.stdout.strip().splitlines()[-1])
-    config = json.loads((tmp_path / "config.json").read_text())
+    return json.loads(proc.stdout.strip().splitlines()[-1]), json.loads((folder / "config.json").read_text())
+
+
+def test_the_tiny_llama_is_what_transformers_saves_and_its_loss_is_over_the_datasets_sample(tmp_path):
+    made, config = _made("llama", tmp_path)
     assert config["num_key_value_heads"] == hf_models.GROUPS and not config["tie_word_embeddings"]
     assert len(made["document"]) == hf_models.SEQ and 0 < made["loss"] < 10
     assert (tmp_path / "tokenizer.json").exists()
@@ -156,12 +160,7 @@ def test_layouts_are_named_by_their_parallel_sizes():
 
 
 def test_the_tiny_mixtral_is_what_transformers_saves_with_bf16_exact_weights(tmp_path):
-    pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, "-m", "megaport.train.hf_models", "mixtral", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    made = json.loads(proc.stdout.strip().splitlines()[-1])
-    config = json.loads((tmp_path / "config.json").read_text())
+    made, config = _made("mixtral", tmp_path)
     assert config["num_local_experts"] == hf_models.EXPERTS == 8 and config["num_experts_per_tok"] == 2
     assert config["num_key_value_heads"] == hf_models.GROUPS and not config["tie_word_embeddings"]
     assert len(made["document"]) == hf_models.SEQ and 7.5 < made["loss"] < 10  # the weights' own, not ln(1024)

@@ -57,13 +57,12 @@ class Start:
 
     def _load_for(self, layout_name: str) -> str | None:
         """The checkpoint ``layout_name``'s ranks load: one rank's, or its split for them, made once."""
-        layout = layouts.get(layout_name)
-        split = legacy_reshard.Split(layout.tensor_parallel,
-                                     int(example.flag_value(list(layout.flags), "--expert-model-parallel-size") or 1))
         if not (self.load and self.split_for_layouts_of):
             return self.load
-        if int(example.flag_value(list(layout.flags), "--pipeline-model-parallel-size") or 1) > 1:
+        layout = layouts.get(layout_name)
+        if layout.size("--pipeline-model-parallel-size") > 1:
             return None  # not split into stages: compared with unported upstream, each from the same seeds
+        split = legacy_reshard.Split(layout.tensor_parallel, layout.size("--expert-model-parallel-size"))
         if split == legacy_reshard.Split():
             return self.load
         target = f"{self.load}-tp{split.tensor}-ep{split.expert}"

@@ -56,11 +56,15 @@ class Layout:
     #: the family's flags the layout cannot take, each with why: ((flag, why), ...)
     leaves_out: tuple = ()
 
+    def size(self, flag: str) -> int:
+        """The layout's size of one parallel dimension (``--tensor-model-parallel-size`` …), else 1."""
+        value = example.flag_value(list(self.flags), flag)
+        return int(value) if value else 1
+
     @property
     def tensor_parallel(self) -> int:
         """How many ranks split each layer's weights (``--tensor-model-parallel-size``, else 1)."""
-        value = example.flag_value(list(self.flags), "--tensor-model-parallel-size")
-        return int(value) if value else 1
+        return self.size("--tensor-model-parallel-size")
 
     @property
     def sequence_parallel(self) -> bool:

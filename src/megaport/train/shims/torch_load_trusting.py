@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from megaport.train.shims._pattern import Match
+from megaport.train.tree_files import tree_text
 
 NAME = "torch-load-trusting"
 DESCRIPTION = ("Megatron's checkpoint loads read their own pickles (torch's TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD: "
@@ -32,12 +33,8 @@ def applies(tree: str) -> bool:
     listed up front for an unported run that loads a checkpoint, since that era prints the refusal
     and exits (``except BaseException: print_rank_0(e); sys.exit()``), no exception left to answer
     (core 0.5 resuming the ported tree's checkpoint: "the run ... took no optimizer step")."""
-    for path in CHECKPOINTING:
-        full = os.path.join(tree, path)
-        if os.path.exists(full):
-            with open(full, encoding="utf-8") as handle:
-                return any("torch.load(" in line and "weights_only" not in line for line in handle)
-    return False
+    text = tree_text(tree, *CHECKPOINTING) or ""
+    return any("torch.load(" in line and "weights_only" not in line for line in text.splitlines())
 
 
 def install() -> None:
