@@ -362,3 +362,21 @@ def test_a_missing_upstream_package_says_one_line_everywhere(tmp_path):
     assert set(skipped.values()) == {line}, skipped
     assert tests["test_touched_module_imports_without_apex[megatron.core.rocm_port]"]["outcome"] == "passed"
     assert document["summary"]["failed"] == 0, tests
+
+
+@pytest.mark.parametrize("gpus, expected", [(1, ["gloo"]), (2, ["gloo", "device"])])
+def test_a_machine_with_one_gpu_lists_the_device_run_instead_of_skipping_it(monkeypatch, gpus, expected):
+    """On the first GPU verify (one H100) the NCCL 2-rank run skipped six tests, which --strict
+    counts as failures of a machine that merely has one GPU: it is now listed, not a test."""
+    import torch
+
+    from megaport.smoke import _backend, test_distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(_backend, "distributed_backend_default", lambda tree, upstream: ("rccl", "the parser"))
+    smoke = types.SimpleNamespace(gpu=True, tree=Path("."), upstream=None, facts={})
+    assert test_distributed.variants(smoke) == expected
+    listed = smoke.facts.get("two_rank_device_not_run", "")
+    assert ("needs 2 GPUs" in listed) == (gpus == 1)
+    cpu = types.SimpleNamespace(gpu=False, tree=Path("."), upstream=None, facts={})
+    assert test_distributed.variants(cpu) == ["gloo"] and not cpu.facts

@@ -310,6 +310,8 @@ def _backend_rows(document: dict, state: PortState):
         lib = info.get("library")
         lib_text = f", {lib[0]} {lib[1] or ''}".rstrip() if lib else ""
         yield f"2-rank run ({variant})", f"{info.get('requested')} → {info.get('initialised')}{lib_text}"
+    if device.get("two_rank_device_not_run"):
+        yield "2-rank run (device) not run", escape(device["two_rank_device_not_run"])
 
 
 def _training_rows(document: dict, state: PortState):
