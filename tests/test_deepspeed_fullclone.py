@@ -78,6 +78,24 @@ def test_the_2023_07_merge_commits_take_the_series_for_the_fork_fixes_they_lack(
         assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
 
 
+def test_the_embedding_scatter_of_0d6e3793_splits_mds_2024_05(deepspeed_clone):
+    """0d6e3793 (2024-09-04) turned the embedding's sequence scatter back on, which the
+    sequence-parallel patches answer: the commits before it take mds-2024-05 (get_batch's split is
+    the only one, no patch for it), it and those after it up to FPDT take mds-2024-09."""
+    shas = git(deepspeed_clone, "rev-list", "--first-parent", "--reverse", "1280f59c~1..6acc370a").split()
+    assert len(shas) == 7
+    args = ["drift", "--repo", str(deepspeed_clone), "--series", "auto", "--format", "json"]
+    for sha in shas:
+        args += ["--ref", sha]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (0, 1), result.output
+    chosen = {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
+    scatter = next(i for i, sha in enumerate(shas) if sha.startswith("0d6e3793"))
+    for i, sha in enumerate(shas):
+        expected = "mds-2024-05" if i < scatter else "mds-2024-09"
+        assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+
+
 @pytest.mark.parametrize("ref", VERIFY_REFS)
 def test_fork_ports_and_gives_its_era_softmax(deepspeed_clone, ref, tmp_path, fake_cuda_modules):
     dest = tmp_path / "ported"
