@@ -1286,3 +1286,16 @@ def test_todays_deepspeed_fp16_optimizers_answer_cur_scale_again(rp):
 
     rp.fp16_optimizers_answer_cur_scale(types.SimpleNamespace(FP16_Optimizer=Old))
     assert "cur_scale" not in vars(Old)
+
+
+def test_todays_torch_gets_back_typed_storage_untyped_for_2023s_distributed_optimizer(rp):
+    """Upstream main 2022-09-30 … 2023-12-01 (and Stanford's fork) builds the distributed optimizer's
+    parameter buffers as ``torch.tensor(grad_buffer.data.storage()._untyped(), dtype=params_dtype)``:
+    torch 2.0 renamed the method and every ``--use-distributed-optimizer`` run died building the
+    optimizer (Stanford 85f95aef, dp2-distopt). The port restores it: the grad buffer's own bytes."""
+    rp.install_target_stack_compat()
+    grad = torch.zeros(8)
+    view = torch.tensor(grad.storage()._untyped(), dtype=torch.float16, device=grad.device)
+    assert view.numel() == 16 and view.data_ptr() == grad.data_ptr()
+    view.fill_(1.0)
+    assert grad.abs().sum() > 0  # one buffer, seen in two dtypes

@@ -96,6 +96,7 @@ def _missing(module: str) -> str:
     ("import importlib.metadata as m\nm.version('transformer-engine')", "transformer-engine"),
     (_missing("torch._six"), "stack"),
     ("raise AttributeError(\"module 'numpy' has no attribute 'float'.\")", "stack"),
+    ("raise AttributeError(\"'torch.storage.TypedStorage' object has no attribute '_untyped'\")", "stack"),
     (failure.Failure("ModuleNotFoundError", "No module named 'deepspeed.compression.compress'",
                      module="deepspeed.compression.compress"), "deepspeed-compression"),  # DeepSpeed >= 0.18
     ("isinstance(1, 2)", "deepspeed-tensor-types"),
@@ -1025,3 +1026,14 @@ def test_overlap_gather_save_finishes_the_gather_before_the_save_in_its_window(t
         overlap_gather_save._gathered_first(module)
         module.save_checkpoint_and_time(15, None, optimizer)
     assert calls == ["gathered", "saved 15", "hooked again", "saved 15"]
+
+
+def test_the_stack_shim_gives_2023s_distributed_optimizer_its_storage_view():
+    """Unported main 2022-09-30 … 2023-12-01 (and Stanford's fork) views its grad buffers' bytes with
+    ``torch.tensor(buffer.storage()._untyped(), dtype=params_dtype)``, a name torch 2.0 renamed: the
+    shim gives it back, the same bytes seen in the parameters' dtype, in a process of its own."""
+    code = ("from megaport.train.shims import stack_names\nstack_names.install()\nimport torch\n"
+            "grad = torch.zeros(8)\nview = torch.tensor(grad.storage()._untyped(), dtype=torch.float16)\n"
+            "view.fill_(1.0)\nprint(view.numel(), view.data_ptr() == grad.data_ptr(), bool(grad.abs().sum() > 0))")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["16", "True", "True"], done.stderr[-2000:]

@@ -62,6 +62,19 @@ def _restore_distributed_names() -> list:
     return ["torch.distributed.dist_backend", "torch.distributed._backend"]
 
 
+def _restore_typed_storage_untyped() -> list:
+    """``TypedStorage._untyped()``, the UntypedStorage under a typed one, as torch 1.x had it (torch
+    2.0 renamed it): upstream's distributed optimizer views its grad buffers' bytes through it
+    (``torch.tensor(grad_buffer.data.storage()._untyped(), dtype=params_dtype)``) from 2022-09-30
+    (fc7f4f035a) until 904b6a2162 (2023-12-01) tried ``untyped_storage()`` first: every
+    ``--use-distributed-optimizer`` run of those trees died building the optimizer on torch 2."""
+    typed = getattr(torch.storage, "TypedStorage", None)
+    if typed is None or hasattr(typed, "_untyped"):
+        return []
+    typed._untyped = lambda self: self._untyped_storage
+    return ["torch.storage.TypedStorage._untyped"]
+
+
 def install_target_stack_compat() -> list:
     """Restore the removed names above where this stack lacks them; the names restored."""
     import builtins
@@ -71,6 +84,7 @@ def install_target_stack_compat() -> list:
         sys.modules["torch._six"] = torch._six = _torch_six()
         restored.append("torch._six")
     restored += _restore_distributed_names()
+    restored += _restore_typed_storage_untyped()
     try:
         import numpy
     except ImportError:

@@ -2,7 +2,9 @@
 
 ``torch._six`` (gone in torch 2.0; upstream's clip_grads imports ``inf`` from it), NumPy's aliases
 of builtins (gone in NumPy 1.24/2.0; the indexed dataset's dtype table uses ``np.float``) and
-``torch.distributed._backend`` (2021's DDP reads it). Nothing computational.
+``torch.distributed._backend`` (2021's DDP reads it), and ``TypedStorage._untyped()`` (renamed in
+torch 2.0; the distributed optimizer of main 2022-09-30 … 2023-12-01 views its grad buffers through it).
+Nothing computational.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import types
 from megaport.train.shims._pattern import Match
 
 NAME = "stack"
-DESCRIPTION = "torch._six, NumPy's removed aliases and torch.distributed._backend restored (nothing computational)"
+DESCRIPTION = ("torch._six, NumPy's removed aliases, torch.distributed._backend and TypedStorage._untyped restored "
+               "(nothing computational)")
 ERAS = "E1-E3 and the fork (2020-2023 code)"
 REPRODUCES = "torch < 2.0 and NumPy < 1.24, which those trees were written for"
 PATTERN = (Match(("ModuleNotFoundError",), module=r"torch\._six"),
            Match(("AttributeError",), message=r"^module 'numpy' has no attribute"),
-           Match(("AttributeError",), message=r"^module 'torch\.distributed' has no attribute '(_backend|dist_backend)'"))
+           Match(("AttributeError",), message=r"^module 'torch\.distributed' has no attribute '(_backend|dist_backend)'"),
+           Match(("AttributeError",), message=r"'torch\.storage\.TypedStorage' object has no attribute '_untyped'"))
 
 # NumPy < 1.24's aliases of builtins, and its old spellings of names it still has.
 NUMPY_BUILTIN_ALIASES = {"float": float, "int": int, "bool": bool, "object": object, "str": str, "long": int,
@@ -57,3 +61,6 @@ def install() -> None:
             dist._backend = dist.get_backend()
 
         dist.init_process_group = init_process_group
+    typed = getattr(torch.storage, "TypedStorage", None)
+    if typed is not None and not hasattr(typed, "_untyped"):
+        typed._untyped = lambda self: self._untyped_storage  # torch 1.x's name for it
