@@ -288,6 +288,25 @@ def test_mcore_models_of_a_legacy_default_era_take_half_the_heads_as_query_group
     assert example.flag_value(_command(tree, load="/ck").argv, "--num-query-groups") == "2"
 
 
+def test_a_legacy_only_era_compares_layouts_with_one_head_per_query_group(tmp_path):
+    """main 2023-10 builds the legacy transformer alone (no --use-mcore-models), whose GQA view takes
+    one group per TP rank: the family's one group died at TP 2 ("num_query_groups (1) must be a
+    multiple of tensor_model_parallel_size (2)", 8 rows of e4-2023-09). Runs compared across layouts,
+    the one-rank reference among them, take one head per group; the family's own run keeps one."""
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--num-query-groups", *LLAMA_FLAGS])
+    legacy = tmp_path / "tree" / "megatron" / "model" / "transformer.py"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text("        " + spec_module._LEGACY_GQA_VIEW + "\n")
+    compared = example.Sizes(steps=5, vocab_multiple=256)
+
+    def groups(**run):
+        command = pretrain.command(pretrain.Run(tree=tree, family="llama", **run), tree, port=29500)
+        return example.flag_value(command.argv, "--num-query-groups")
+
+    assert groups(sizes=example.Sizes(steps=5)) == "1"
+    assert groups(sizes=compared) == groups(sizes=compared, layout="tp2") == str(compared.heads)
+
+
 def test_zero1_over_two_data_parallel_ranks_is_the_deepspeed_forks_alone(tmp_path):
     dp2 = layouts.get("dp2-zero1")
     assert dp2.micro_batch == 1 and "gpt" in dp2.families

@@ -32,6 +32,7 @@ from megaport import deepspeed_fork
 from megaport.cpu_substitutions import MARK as CPU_MARK
 from megaport.envpaths import with_paths_first
 from megaport.train import deepspeed_example, example, failure, log, torchrun
+from megaport.train.families.spec import legacy_gqa_view
 from megaport.train.layouts import registry as layouts
 from megaport.train.shims import audit
 from megaport.train.launch import PEAK
@@ -144,6 +145,7 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
                      "needs a window where the model measurably learns)")
     flags += _layout_flags(run, layout, notes) + _vocab_padding(run, layout, notes) + _checkpoint_flags(run, notes)
     flags += _mcore_query_groups(run, flags, notes)
+    flags += _legacy_view_query_groups(run, flags, notes)
     for name, (value, why) in family.environment_for(run.tree).items():
         notes.append(f"{name}={value} in the environment ({why})")
     target = ["-m", "megaport.train.launch", *(["--cpu"] if run.device == "cpu" else []), family.entry_point, *flags]
@@ -201,6 +203,20 @@ def _mcore_query_groups(run: Run, flags: list, notes: list) -> list:
     notes.append(f"--num-query-groups {groups} (Megatron Core's attention takes half the heads as groups; one was for "
                  "the legacy model's view)")
     return ["--num-query-groups", str(groups)]
+
+
+def _legacy_view_query_groups(run: Run, flags: list, notes: list) -> list:
+    """Where a run compared across layouts (``sizes.vocab_multiple``) builds upstream's legacy
+    transformer, whose GQA view takes one query group per tensor-parallel rank at most: the one
+    group it trains on one rank cannot be split over TP 2 (upstream refuses it: main 2023-10's
+    Llama tp2 rows died "num_query_groups (1) must be a multiple of tensor_model_parallel_size (2)"),
+    and two groups fail its view on one rank. One head per group is the model both build."""
+    if not (run.sizes.vocab_multiple and "--use-mcore-models" not in flags
+            and example.flag_value(flags, "--num-query-groups") == "1" and legacy_gqa_view(run.tree)):
+        return []
+    notes.append(f"--num-query-groups {run.sizes.heads} (one head per group: the legacy transformer's GQA view "
+                 "takes one group per tensor-parallel rank, and one group splits over no TP size above 1)")
+    return ["--num-query-groups", str(run.sizes.heads)]
 
 
 def _checkpoint_flags(run: Run, notes: list) -> list:

@@ -137,14 +137,18 @@ _LEGACY_GQA_VIEW = ("query_layer = query_layer.view(query_layer.size(0), query_l
 _LEGACY_TRANSFORMERS = ("megatron/model/transformer.py", "megatron/legacy/model/transformer.py")
 
 
+def legacy_gqa_view(tree: str) -> bool:
+    """Whether ``pretrain_gpt.py`` builds upstream's legacy transformer by default (no
+    ``--use-legacy-models`` to opt out of it) and its GQA view takes one group per TP rank at most
+    (:data:`_LEGACY_GQA_VIEW`)."""
+    return not example.parser_has(tree, "--use-legacy-models") and _LEGACY_GQA_VIEW in (
+        tree_text(tree, *_LEGACY_TRANSFORMERS) or "")
+
+
 def query_groups(sizes: example.Sizes, tree: str) -> int:
-    """Grouped-query attention's groups for a shrunk run: half the heads, or one where
-    ``pretrain_gpt.py`` builds upstream's legacy transformer by default (no ``--use-legacy-models``
-    to opt out of it) and its GQA view refuses more (:data:`_LEGACY_GQA_VIEW`)."""
-    if not example.parser_has(tree, "--use-legacy-models") and _LEGACY_GQA_VIEW in (
-            tree_text(tree, *_LEGACY_TRANSFORMERS) or ""):
-        return 1
-    return max(1, sizes.heads // 2)
+    """Grouped-query attention's groups for a shrunk run: half the heads, or one where the legacy
+    GQA view refuses more (:func:`legacy_gqa_view`)."""
+    return 1 if legacy_gqa_view(tree) else max(1, sizes.heads // 2)
 
 
 def entry_point_and(*flags: str, entry_point: str = "pretrain_gpt.py") -> Callable[[str], bool]:
