@@ -78,6 +78,25 @@ def test_the_2023_07_merge_commits_take_the_series_for_the_fork_fixes_they_lack(
         assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
 
 
+def test_the_sharded_position_table_of_cc3a94c6_splits_mds_2023_08_11(deepspeed_clone):
+    """cc3a94c6 (2023-09-18) gave the sequence-parallel embedding its position table sharded over
+    the TP ranks, which the sequence-parallel patches answer: the commits before it take
+    mds-2023-08-11 (the whole table, no patch for it), it and those after it up to apex's RMSNorm
+    take mds-2023-09."""
+    shas = git(deepspeed_clone, "rev-list", "--first-parent", "--reverse", "d9fa3022~1..ef13d099").split()
+    args = ["drift", "--repo", str(deepspeed_clone), "--series", "auto", "--format", "json"]
+    for sha in shas:
+        args += ["--ref", sha]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (0, 1), result.output
+    chosen = {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
+    sharded = next(i for i, sha in enumerate(shas) if sha.startswith("cc3a94c6"))
+    assert 0 < sharded < len(shas) - 1
+    for i, sha in enumerate(shas):
+        expected = "mds-2023-08-11" if i < sharded else "mds-2023-09"
+        assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+
+
 def test_the_embedding_scatter_of_0d6e3793_splits_mds_2024_05(deepspeed_clone):
     """0d6e3793 (2024-09-04) turned the embedding's sequence scatter back on, which the
     sequence-parallel patches answer: the commits before it take mds-2024-05 (get_batch's split is

@@ -136,7 +136,8 @@ def test_builtin_catalogue_ships_the_deepspeed_fork_series():
     assert "microsoft/Megatron-DeepSpeed" in forks
     fork_series = [s for s in catalogue.series if s.repository == "microsoft/Megatron-DeepSpeed"]
     assert {s.name for s in fork_series} >= {"mds-2021-07", "mds-2023-07", "mds-2023-07-07", "mds-2023-07-12",
-                                             "mds-2024-05", "mds-2024-09", "mds-2024-12"}
+                                             "mds-2023-08-11", "mds-2023-09", "mds-2024-05", "mds-2024-09",
+                                             "mds-2024-12"}
     assert all(s.tested for s in fork_series)
     # The fork's 2023-07 merge, its HEAD and a 2022 commit are among the tested refs.
     shas = {t.sha[:8] for s in fork_series for t in s.tested}
