@@ -12,6 +12,12 @@ generator state as rank 0 (core_v0.5.0 Llama TP2 31 % in grad norm by iteration 
 writes each (tensor, expert) rank's file the way that era's layers hold their shards; a shard put
 in the wrong place is another model, and the layout comparison fails on it.
 
+The legacy models of the eras before (main 2023-07 … 2023-10 build nothing else) draw one
+initialisation on the CPU (``--use-cpu-initialization``) and split it by rows, which is the same
+model for GPT but not for a gated unit: their SwiGLU ``dense_h_to_4h`` holds [gate; up] as fc1 does
+(main 2023-10's Llama TP2 2.1 % in loss, 66 % in grad norm from that draw; unported upstream in
+the same layout 5e-4): one rank's legacy checkpoint is split the same way, its nested keys included.
+
 Upstream's ``tools/checkpoint`` of that era converts legacy models only (``loader_megatron`` /
 ``saver_megatron``), not Megatron Core's: hence the split here, a table of key patterns
 (:data:`SPLITS`), the weights' split dimension read from the era's layers (``ColumnParallelLinear``
@@ -34,11 +40,17 @@ import sys
 #: (fc1 of a gated unit: its gate and up halves each split by rows), or "whole" (every rank a copy)
 SPLITS = (
     (r"(^|\.)word_embeddings\.weight$", "rows"),
-    (r"^output_layer\.weight$", "rows"),
+    (r"(^|\.)output_layer\.weight$", "rows"),
+    # Megatron Core's layers
     (r"\.linear_qkv\.(weight|bias)$", "rows"),  # grouped per query group: a row split is a split by groups
     (r"\.linear_fc1\.(weight|bias)$", "fc1"),
     (r"\.linear_proj\.weight$", "columns"),
     (r"\.linear_fc2\.weight$", "columns"),
+    # the legacy model's (megatron/model/transformer.py), its checkpoint nested by module
+    (r"\.query_key_value\.(weight|bias)$", "rows"),  # grouped per query group too
+    (r"\.dense_h_to_4h\.(weight|bias)$", "fc1"),
+    (r"\.self_attention\.dense\.weight$", "columns"),
+    (r"\.dense_4h_to_h\.weight$", "columns"),
 )
 
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -90,6 +102,29 @@ def expert_shard(model: dict, rank: int, size: int, experts: int) -> dict:
     return kept
 
 
+def flattened(model: dict, prefix: str = "") -> dict:
+    """A checkpoint's model as one dotted key per tensor: the legacy model nests its state by module
+    (``language_model`` → ``encoder`` → ``layers.0.mlp.dense_h_to_4h.weight``), Megatron Core's is flat."""
+    flat = {}
+    for key, value in model.items():
+        if isinstance(value, dict):
+            flat.update(flattened(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def nested_like(model: dict, flat: dict, prefix: str = "") -> dict:
+    """``flat``'s tensors put back in ``model``'s nesting (keys ``flat`` lacks left out)."""
+    out = {}
+    for key, value in model.items():
+        if isinstance(value, dict):
+            out[key] = nested_like(value, flat, f"{prefix}{key}.")
+        elif f"{prefix}{key}" in flat:
+            out[key] = flat[f"{prefix}{key}"]
+    return out
+
+
 def rank_folder(tensor_rank: int, expert_rank: int, split: Split) -> str:
     """The era's file name for a (tensor, expert) rank (``megatron/checkpointing.get_checkpoint_name``)."""
     return f"mp_rank_{tensor_rank:02d}" + (f"_{expert_rank:03d}" if split.expert > 1 else "")
@@ -108,10 +143,12 @@ def reshard(source: str, target: str, split: Split) -> str:
     experts = getattr(args, "num_experts", None) or 1
     if experts % split.expert:
         raise ValueError(f"{experts} experts do not split over {split.expert} expert-parallel ranks")
+    nested = any(isinstance(value, dict) for value in state["model"].values())
     for expert_rank in range(split.expert):
-        held = expert_shard(state["model"], expert_rank, split.expert, experts)
+        held = expert_shard(flattened(state["model"]), expert_rank, split.expert, experts)
         for tensor_rank in range(split.tensor):
             shard = {key: tensor_shard(value, rule(key, gated), tensor_rank, split.tensor) for key, value in held.items()}
+            shard = nested_like(state["model"], shard) if nested else shard
             rank_args = copy.copy(args)
             rank_args.tensor_model_parallel_size, rank_args.expert_model_parallel_size = split.tensor, split.expert
             out = os.path.join(target, folder, rank_folder(tensor_rank, expert_rank, split))

@@ -10,9 +10,10 @@ compares two trees (:func:`megaport.train.parity.parity_problems`): loss within 
 within 5 %, over a window in which the model measurably learns.
 
 Eras before distributed checkpoints (before 2024-03) write one file per (tensor, pipeline) rank,
-which another layout cannot load. Where they build Megatron Core's models (core 0.4-0.5), one
-rank's checkpoint is split for each TP/EP layout by megaport (:mod:`legacy_reshard`); older eras'
-legacy models draw one initialisation on both sides (``--use-cpu-initialization``: the full
+which another layout cannot load. Where they build Megatron Core's models (core 0.4-0.5), or a
+gated MLP (SwiGLU, whose [gate; up] a split initialisation scrambles), one rank's checkpoint is
+split for each TP/EP layout by megaport (:mod:`legacy_reshard`); older eras' other legacy models
+draw one initialisation on both sides (``--use-cpu-initialization``: the full
 weights drawn once on the CPU, then split). A layout with pipeline stages, which seed their own
 weights, is compared with unported upstream in that layout rather than with one rank.
 """
@@ -174,6 +175,15 @@ def _one_kind_of_model(tree: str) -> tuple:
     return (((flag,), why),) if pretrain.legacy_models_by_default(tree) else ()
 
 
+def _gated(tree: str, family: str) -> bool:
+    """Whether ``family``'s MLP is a gated unit (SwiGLU): one initialisation drawn whole and split by
+    rows is then another model in a TP layout (its fc1 holds [gate; up], a row split gives TP rank 0
+    the gates alone), so one rank's checkpoint is split by megaport instead (:mod:`legacy_reshard`)."""
+    from megaport.train.families import registry
+
+    return "--swiglu" in registry.get(family).flags(tree)[0]
+
+
 def _split_knows_no_grouped_experts(tree: str, family: str) -> tuple:
     """Where megaport splits one rank's legacy checkpoint, every side builds the sequential experts
     (:mod:`legacy_reshard` splits their keys, not the grouped GEMM's packed weights): ((flag, why),) or ()."""
@@ -197,7 +207,7 @@ def shared_start(context: Context, run: pretrain.Run) -> Start:
     def make() -> Start:
         unsaved = _unsaved(context.tree)
         folder = os.path.join(context.workdir, f"checkpoint-{run.family}-{shared_count()}")
-        if unsaved and _one_kind_of_model(context.tree):
+        if unsaved and (_one_kind_of_model(context.tree) or _gated(context.tree, run.family)):
             start = Start(load=folder, extra=_one_kind_of_model(context.tree), split_for_layouts_of=context.tree,
                           left_out=_split_knows_no_grouped_experts(context.tree, run.family))
         elif unsaved:
