@@ -307,6 +307,24 @@ def test_a_legacy_only_era_compares_layouts_with_one_head_per_query_group(tmp_pa
     assert groups(sizes=compared) == groups(sizes=compared, layout="tp2") == str(compared.heads)
 
 
+def test_the_distributed_optimizer_leaves_out_the_overlapped_grad_reduce_of_the_era_that_got_it_wrong(tmp_path):
+    """main 2023-09-07 … 09-27: the DDP's overlapped all-reduce and the distributed optimizer's own
+    reduce-scatter both took the grad buffer (Llama DP2 grad norm half one rank's, unported too):
+    the layout leaves --overlap-grad-reduce out there, says why, and keeps it once the DDP knows the
+    distributed optimizer."""
+    dp2 = layouts.get("dp2-distopt")
+    tree = _tree(tmp_path, ["--use-distributed-optimizer", "--overlap-grad-reduce", *LLAMA_FLAGS])
+    ddp = tmp_path / "tree" / "megatron" / "model" / "distributed.py"
+    ddp.parent.mkdir(parents=True)
+    ddp.write_text("def __init__(self, overlap_grad_reduce):\n    pass\n")
+    assert "--overlap-grad-reduce" not in dp2.flags_for(str(tree))
+    command = _command(tree, layout="dp2-distopt")
+    assert "--overlap-grad-reduce" not in command.argv
+    assert any(note.startswith("--overlap-grad-reduce left out (") and "9b8643cbf1" in note for note in command.notes)
+    ddp.write_text("def __init__(self, overlap_grad_reduce, use_distributed_optimizer):\n    pass\n")
+    assert "--overlap-grad-reduce" in dp2.flags_for(str(tree)) and not dp2.optional_left_out(str(tree))
+
+
 def test_zero1_over_two_data_parallel_ranks_is_the_deepspeed_forks_alone(tmp_path):
     dp2 = layouts.get("dp2-zero1")
     assert dp2.micro_batch == 1 and "gpt" in dp2.families

@@ -161,6 +161,8 @@ def _layout_flags(run: Run, layout, notes: list) -> list:
     if layout is layouts.ONE_RANK:
         return []
     flags = layout.flags_for(run.tree)
+    for flag, why in layout.optional_left_out(run.tree):
+        notes.append(f"{flag} left out ({why})")
     if layout.micro_batch is not None:
         flags += ["--micro-batch-size", str(layout.micro_batch)]
     if legacy_models_by_default(run.tree) and not any("--use-mcore-models" in added for added, _ in run.extra):

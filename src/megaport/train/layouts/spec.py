@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megaport.train import example
+from megaport.train.tree_files import tree_text
 from megaport.train.torchrun import Ranks
 
 
@@ -55,6 +56,9 @@ class Layout:
     gpu_only: str = ""
     #: the family's flags the layout cannot take, each with why: ((flag, why), ...)
     leaves_out: tuple = ()
+    #: optional flags an era's upstream gets wrong, left out there: ((flag, file, text the era's file
+    #: holds, text it lacks, why), ...)
+    optional_wrong_where: tuple = ()
 
     def size(self, flag: str) -> int:
         """The layout's size of one parallel dimension (``--tensor-model-parallel-size`` …), else 1."""
@@ -82,8 +86,20 @@ class Layout:
         return next((why for text, why in self.refused_where if text in example.parser_text(tree)), None)
 
     def flags_for(self, tree: str) -> list:
-        """The layout's flags, and those of :attr:`optional` the era's parser has."""
-        return list(self.flags) + [t for group in self.optional if example.parser_has(tree, group[0]) for t in group]
+        """The layout's flags, and those of :attr:`optional` the era's parser has and its code gets right."""
+        wrong = {flag for flag, _ in self.optional_left_out(tree)}
+        return list(self.flags) + [t for group in self.optional
+                                   if example.parser_has(tree, group[0]) and group[0] not in wrong for t in group]
+
+    def optional_left_out(self, tree: str) -> list:
+        """The optional flags the era's parser has and its code gets wrong (:attr:`optional_wrong_where`),
+        each with why: [(flag, why), ...]."""
+        out = []
+        for flag, rel, holds, lacks, why in self.optional_wrong_where:
+            text = tree_text(tree, rel) or ""
+            if example.parser_has(tree, flag) and holds in text and lacks not in text:
+                out.append((flag, why))
+        return out
 
     def sizes(self, sizes: example.Sizes) -> example.Sizes:
         """``sizes`` with at least the layers the split needs (the one-rank run it is compared with
