@@ -387,3 +387,32 @@ def test_a_run_of_several_ranks_names_the_first_rank_to_fail_not_its_peers_close
     message = log.failure_message(1, "", stderr, 0, first_failure=died_of[0])
     assert message.splitlines()[0].endswith("AssertionError: sequence parallel not supported by torch LayerNorm")
     assert "Connection closed" in log.failure_message(1, "", stderr, 0).splitlines()[0]
+
+
+def test_a_run_whose_rendezvous_port_was_taken_in_between_runs_once_more(monkeypatch):
+    """A port free when chosen can be bound by another run before torchrun binds it (a cross-load row
+    of e3-2023-07 died of EADDRINUSE while two verifies shared the machine): tried once more; any
+    other failure is raised as it is."""
+    from megaport.train import failure, pretrain
+
+    calls = []
+
+    def once(run, env, timeout):
+        calls.append(run)
+        if len(calls) == 1:
+            raise failure.RunFailed("DistNetworkError: The server socket has failed to listen on any local network "
+                                    "address. port: 45673, code: -98, name: EADDRINUSE", [])
+        return {"losses": [1.0]}
+
+    monkeypatch.setattr(pretrain, "_run_pretrain_once", once)
+    assert pretrain._run_pretrain("run", None) == {"losses": [1.0]} and len(calls) == 2
+
+    def dies(run, env, timeout):
+        calls.append(run)
+        raise failure.RunFailed("AssertionError: loss is nan", [])
+
+    calls.clear()
+    monkeypatch.setattr(pretrain, "_run_pretrain_once", dies)
+    with pytest.raises(failure.RunFailed, match="nan"):
+        pretrain._run_pretrain("run", None)
+    assert len(calls) == 1

@@ -392,7 +392,23 @@ def _engine_that_ran(document: dict) -> dict:
     return {"name": name, "described": deepspeed_example.DESCRIBE[name]}
 
 
+#: what torchrun says when the rendezvous port, free when :func:`torchrun.free_port` chose it, was
+#: taken before it bound it (another run starting on the machine at that moment)
+PORT_TAKEN = "EADDRINUSE"
+
+
 def _run_pretrain(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
+    """:func:`_run_pretrain_once`, once more on another port where the rendezvous port was taken
+    in between (seen when two verifies shared this machine: a cross-load row died of it)."""
+    try:
+        return _run_pretrain_once(run, env, timeout=timeout)
+    except failure.RunFailed as exc:
+        if PORT_TAKEN not in str(exc):
+            raise
+        return _run_pretrain_once(run, env, timeout=timeout)
+
+
+def _run_pretrain_once(run: Run, env: dict | None = None, *, timeout: float = 1800) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaport-pretrain-") as workdir:
         cmd = command(run, workdir)
         failures, audits = os.path.join(workdir, "failures"), os.path.join(workdir, "audits")
