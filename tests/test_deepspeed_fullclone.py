@@ -61,21 +61,32 @@ def test_every_tested_fork_ref_is_chosen_and_applies(deepspeed_clone, tmp_path):
     assert not failures, "\n".join(failures)
 
 
-def test_the_2023_07_merge_commits_take_the_series_for_the_fork_fixes_they_lack(deepspeed_clone):
-    """9e72d571 lacks the fork's 4278c0a1 and 636540a9 fixes, the commits up to 636540a9 the latter:
-    each commit takes the series that carries the fixes it lacks, clean or with offsets only."""
-    shas = git(deepspeed_clone, "rev-list", "--first-parent", "--reverse", "9e72d571~1..7f7cea32").split()
-    assert len(shas) == 15
-    args = ["drift", "--repo", str(deepspeed_clone), "--series", "auto", "--format", "json"]
+def _auto_series(clone, first: str, last: str) -> tuple:
+    """The first-parent commits ``first~1..last`` and, for each, the series drift chooses and its status."""
+    shas = git(clone, "rev-list", "--first-parent", "--reverse", f"{first}~1..{last}").split()
+    args = ["drift", "--repo", str(clone), "--series", "auto", "--format", "json"]
     for sha in shas:
         args += ["--ref", sha]
     result = CliRunner().invoke(main, args)
     assert result.exit_code in (0, 1), result.output
-    chosen = {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
-    fixed = next(i for i, sha in enumerate(shas) if sha.startswith("636540a9"))
+    return shas, {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
+
+
+def _split_at(shas: list, chosen: dict, prefix: str, before: str, after: str) -> None:
+    """Every commit before the one ``prefix`` names takes ``before``, it and the later ones ``after``,
+    each clean or with offsets only."""
+    at = next(i for i, sha in enumerate(shas) if sha.startswith(prefix))
+    assert 0 < at < len(shas)
     for i, sha in enumerate(shas):
-        expected = "mds-2023-07" if i == 0 else "mds-2023-07-07" if i < fixed else "mds-2023-07-12"
-        assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+        assert chosen[sha][0] == (before if i < at else after) and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+
+
+def test_the_2023_07_merge_commits_take_the_series_for_the_fork_fixes_they_lack(deepspeed_clone):
+    """9e72d571 lacks the fork's 4278c0a1 and 636540a9 fixes, the commits up to 636540a9 the latter:
+    each commit takes the series that carries the fixes it lacks, clean or with offsets only."""
+    shas, chosen = _auto_series(deepspeed_clone, "9e72d571", "7f7cea32")
+    assert len(shas) == 15 and chosen[shas[0]][0] == "mds-2023-07" and chosen[shas[0]][1] in ("clean", "offset")
+    _split_at(shas[1:], chosen, "636540a9", "mds-2023-07-07", "mds-2023-07-12")
 
 
 def test_the_sharded_position_table_of_cc3a94c6_splits_mds_2023_08_11(deepspeed_clone):
@@ -83,36 +94,18 @@ def test_the_sharded_position_table_of_cc3a94c6_splits_mds_2023_08_11(deepspeed_
     the TP ranks, which the sequence-parallel patches answer: the commits before it take
     mds-2023-08-11 (the whole table, no patch for it), it and those after it up to apex's RMSNorm
     take mds-2023-09."""
-    shas = git(deepspeed_clone, "rev-list", "--first-parent", "--reverse", "d9fa3022~1..ef13d099").split()
-    args = ["drift", "--repo", str(deepspeed_clone), "--series", "auto", "--format", "json"]
-    for sha in shas:
-        args += ["--ref", sha]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code in (0, 1), result.output
-    chosen = {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
-    sharded = next(i for i, sha in enumerate(shas) if sha.startswith("cc3a94c6"))
-    assert 0 < sharded < len(shas) - 1
-    for i, sha in enumerate(shas):
-        expected = "mds-2023-08-11" if i < sharded else "mds-2023-09"
-        assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+    shas, chosen = _auto_series(deepspeed_clone, "d9fa3022", "ef13d099")
+    assert not shas[-1].startswith("cc3a94c6")
+    _split_at(shas, chosen, "cc3a94c6", "mds-2023-08-11", "mds-2023-09")
 
 
 def test_the_embedding_scatter_of_0d6e3793_splits_mds_2024_05(deepspeed_clone):
     """0d6e3793 (2024-09-04) turned the embedding's sequence scatter back on, which the
     sequence-parallel patches answer: the commits before it take mds-2024-05 (get_batch's split is
     the only one, no patch for it), it and those after it up to FPDT take mds-2024-09."""
-    shas = git(deepspeed_clone, "rev-list", "--first-parent", "--reverse", "1280f59c~1..6acc370a").split()
+    shas, chosen = _auto_series(deepspeed_clone, "1280f59c", "6acc370a")
     assert len(shas) == 7
-    args = ["drift", "--repo", str(deepspeed_clone), "--series", "auto", "--format", "json"]
-    for sha in shas:
-        args += ["--ref", sha]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code in (0, 1), result.output
-    chosen = {r["sha"]: (r["series"], r["status"]) for r in json.loads(result.stdout)["refs"]}
-    scatter = next(i for i, sha in enumerate(shas) if sha.startswith("0d6e3793"))
-    for i, sha in enumerate(shas):
-        expected = "mds-2024-05" if i < scatter else "mds-2024-09"
-        assert chosen[sha][0] == expected and chosen[sha][1] in ("clean", "offset"), (sha, chosen[sha])
+    _split_at(shas, chosen, "0d6e3793", "mds-2024-05", "mds-2024-09")
 
 
 @pytest.mark.parametrize("ref", VERIFY_REFS)
