@@ -22,10 +22,16 @@ def _tree(tmp_path, *files: str) -> str:
 
 
 def test_a_tree_without_the_loader_says_where_its_weights_come_in_instead(tmp_path):
-    tree = _tree(tmp_path, "convert.py", "saver_core.py", "loader_mixtral_hf.py")
+    tree = _tree(tmp_path, "convert.py", "saver_core.py", "loader_core.py", "loader_mixtral_hf.py")
     why = hf_in.absent(tree, "llama")
     assert "loader_llama_mistral.py" in why and "Megatron-Bridge" in why
     assert hf_in.absent(_tree(tmp_path, "loader_llama_mistral.py"), "llama") is None
+
+
+def test_a_tree_older_than_the_loader_is_not_told_of_its_removal(tmp_path):
+    """main 2023-10 has no Llama loader yet: its report said upstream removed it in May 2026."""
+    why = hf_in.absent(_tree(tmp_path, "util.py", "loader_megatron.py"), "llama")
+    assert "loader_llama_mistral.py" in why and "2026" not in why and "Megatron-Bridge" not in why
 
 
 def test_the_saver_is_the_eras_core_format_one(tmp_path):

@@ -51,8 +51,11 @@ class Source:
     launch_flags: tuple
     #: where upstream documents both
     docs: str
-    #: what a tree without the loader uses instead, for the report
+    #: what a tree without the loader uses instead, for the report, said where the tree holds
+    #: :attr:`removed_beside` (the loader was removed, not yet written)
     elsewhere: str = ""
+    #: a converter file of the eras after the loader's removal (older trees have neither)
+    removed_beside: str = ""
     #: the docs' ``--saver``; empty: the era's name for Megatron Core's format (:func:`saver`)
     saver: str = ""
     #: launch flags the docs give with their own model's sizes: the tiny model's values go there
@@ -83,6 +86,7 @@ SOURCES = {s.family: s for s in (
            elsewhere="upstream removed its Llama loader in May 2026 (39ec5ebeb4); its docs name Megatron-Bridge, "
                      "which imports TransformerEngine unconditionally (megatron/bridge/peft/lora_layers.py): "
                      "blocked on Bridge without TE",
+           removed_beside="tools/checkpoint/loader_core.py",  # core 0.13 on, with the Llama loader until 2026-05
            size_flags=("--num-attention-heads", "--num-query-groups")),
     Source("mixtral", "loader_mixtral_hf",
            ("--model-type", "GPT", "--loader", "loader_mixtral_hf"),
@@ -121,7 +125,9 @@ def absent(tree: str, family: str) -> str | None:
     """Why the tree cannot bring ``family``'s Hugging Face weights in; None where it can."""
     source = SOURCES[family]
     if not os.path.exists(os.path.join(tree, "tools", "checkpoint", f"{source.loader}.py")):
-        return f"the tree has no tools/checkpoint/{source.loader}.py" + (f": {source.elsewhere}" if source.elsewhere else "")
+        removed = source.elsewhere and os.path.exists(os.path.join(tree, source.removed_beside))
+        return f"the tree has no tools/checkpoint/{source.loader}.py" + (f": {source.elsewhere}" if removed else
+                                                                        " (this era's converter has none)")
     return None
 
 
