@@ -104,7 +104,8 @@ def expert_shard(model: dict, rank: int, size: int, experts: int) -> dict:
 
 def flattened(model: dict, prefix: str = "") -> dict:
     """A checkpoint's model as one dotted key per tensor: the legacy model nests its state by module
-    (``language_model`` → ``encoder`` → ``layers.0.mlp.dense_h_to_4h.weight``), Megatron Core's is flat."""
+    (``language_model`` → ``encoder`` → ``layers.0.mlp.dense_h_to_4h.weight``), Megatron Core's is flat
+    (the split here and the TP-copies check read both through it)."""
     flat = {}
     for key, value in model.items():
         if isinstance(value, dict):

@@ -24,7 +24,7 @@ import re
 import types
 
 from megaport.train import pretrain
-from megaport.train.checks import one_rank
+from megaport.train.checks import legacy_reshard, one_rank
 from megaport.train.checks.spec import Check, Context
 
 #: what every TP rank holds whole, by the name upstream gives it: the norms (layer norms, RMSNorms,
@@ -89,21 +89,11 @@ def _copies(folder: str) -> dict:
     copies: dict = {}
     for path, rest in files:
         for model, state in _models(path).items():
-            for key, tensor in _flat(state):
+            for key, tensor in legacy_reshard.flattened(state).items():
                 if SHARED_WEIGHTS.search(key) and hasattr(tensor, "shape"):
                     copies.setdefault((model, key, rest), []).append(tensor.float())
     return {" ".join(filter(None, (model if model != "model" else "", key, rest))): tensors
             for (model, key, rest), tensors in copies.items()}
-
-
-def _flat(state: dict, prefix: str = ""):
-    """(dotted key, value) of a state dict, nested ones walked: the legacy models before core's
-    (2022: ``language_model`` -> ``encoder`` -> ``layers.0.input_layernorm.weight``) nest theirs."""
-    for key, value in state.items():
-        if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 def _models(path: str) -> dict:
