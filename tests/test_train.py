@@ -127,9 +127,20 @@ def test_a_flag_upstream_renamed_takes_the_name_the_eras_parser_knows(tmp_path):
 def test_fusions_off_flags_are_those_the_eras_parser_has(tmp_path):
     (tmp_path / "megatron").mkdir()
     (tmp_path / "megatron/arguments.py").write_text(
-        "add('--no-masked-softmax-fusion'); add('--no-bias-gelu-fusion'); add('--transformer-impl')\n")
-    assert example.fusions_off_flags(str(tmp_path)) == ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+        "add('--no-masked-softmax-fusion'); add('--no-bias-dropout-fusion'); add('--transformer-impl')\n")
+    assert example.fusions_off_flags(str(tmp_path)) == ["--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
                                                          "--transformer-impl", "local"]
+
+
+def test_the_unported_side_keeps_upstreams_bias_gelu_fusion(tmp_path):
+    """Upstream's fused bias-GeLU is its own torch.jit code (a ROCm user keeps it) and the tanh
+    approximation of GELU; its unfused path is the exact GELU. Turned off on the unported side
+    only, parity would compare two functions, not the port."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron/arguments.py").write_text(
+        "".join(f"add('{flag}')\n" for flag in example.FUSIONS_OFF_FLAGS + ["--no-bias-gelu-fusion"]))
+    flags = example.fusions_off_flags(str(tmp_path))
+    assert "--no-masked-softmax-fusion" in flags and "--no-bias-gelu-fusion" not in flags
 
 
 def test_the_tiny_dataset_reads_back_through_upstreams_reader(core_upstream, tmp_path):

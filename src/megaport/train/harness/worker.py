@@ -21,8 +21,9 @@ Modes:
   bias-dropout-add, persistent layer norm, gradient-accumulation fusion, RoPE fusion) and the
   era's default ``--transformer-impl`` (see default_transformer_impl).
 - ``fusions-off``: what a ROCm user without megaport runs: ``--no-masked-softmax-fusion
-  --no-gradient-accumulation-fusion --no-persist-layer-norm --no-bias-gelu-fusion
-  --no-bias-dropout-fusion --no-rope-fusion`` with the local transformer implementation.
+  --no-gradient-accumulation-fusion --no-persist-layer-norm --no-bias-dropout-fusion
+  --no-rope-fusion`` with the local transformer implementation (bias-GeLU stays on: upstream's
+  torch.jit code, another function than the unfused GELU; see example.FUSIONS_OFF_FLAGS).
 
 The harness sets its own learning rate, seed and dropout 0 (it is not upstream's entry point, and
 its loss must fall within a dozen steps). On CPU, upstream's CUDA-only plumbing gets the smallest
