@@ -32,6 +32,16 @@ def test_both_directions_resuming_faithfully_hold(tmp_path):
     assert set(figures) == set(cross_load.DIRECTIONS)
 
 
+def test_each_direction_lists_the_shims_its_unported_side_needed(tmp_path):
+    """Where unported upstream needed a baseline shim to write or resume (core 0.10-0.12's checkpoint
+    writer on today's torch), the report says so, as every baseline run's does."""
+    runs = _directions(_run(range(16, 31), baseline_shims=["apex stand-in"]), _run(range(16, 31)))
+    runs[cross_load.PORT_RESUMES]["saved"] = _run(range(1, 16), baseline_shims=["apex stand-in", "dcp-write-item"])
+    figures, _ = cross_load.crossed_problems(str(tmp_path), runs)
+    assert figures[cross_load.UPSTREAM_RESUMES]["baseline_shims"] == ["apex stand-in"]
+    assert figures[cross_load.PORT_RESUMES]["baseline_shims"] == ["apex stand-in", "dcp-write-item"]
+
+
 def test_a_direction_that_trains_nothing_fails_by_name(tmp_path):
     nothing = {"iterations": [], "losses": [], "grad_norms": [], "error": "KeyError: 'step'\n..."}
     _, problems = cross_load.crossed_problems(str(tmp_path), _directions(_run(range(16, 31)), nothing))

@@ -61,7 +61,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
     up_front |= set(baseline.LOADING_SHIMS) | set(cross_load.WRITING)
-    assert len(registry.REGISTRY) == 31
+    assert len(registry.REGISTRY) == 32
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -1037,3 +1037,38 @@ def test_the_stack_shim_gives_2023s_distributed_optimizer_its_storage_view():
             "view.fill_(1.0)\nprint(view.numel(), view.data_ptr() == grad.data_ptr(), bool(grad.abs().sum() > 0))")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["16", "True", "True"], done.stderr[-2000:]
+
+
+def test_dcp_write_item_answers_the_writer_of_core_0_5_to_0_12_and_writes_with_todays_torch():
+    """Unported core 0.10-0.12 (c45e651854) saving at DP2 for the cross-load check: its async writer
+    called torch's _write_item without the serialization format, and the save died ("Worker
+    failure"). With the shim the old call writes the tensor through today's torch."""
+    import io
+    import types
+
+    import torch
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    from megaport.train.shims import dcp_write_item
+
+    died = failure.Failure("RuntimeError", "Worker failure: _write_item() missing 1 required positional argument: "
+                           "'serialization_format'", (failure.Frame(
+                               "/tmp/u/megatron/core/dist_checkpointing/strategies/filesystem_async.py", 371,
+                               "write_preloaded_data_multiproc", "raise RuntimeError(...)"),))
+    assert registry.pick([died], have=()) == "dcp-write-item"
+    tensor = torch.arange(4.0)
+    item = WriteItem(index=MetadataIndex("w"), type=WriteItemType.TENSOR,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=tensor.size()),
+                                                 properties=TensorProperties.create_from_tensor(tensor), size=tensor.size()))
+    module = types.SimpleNamespace(_write_item=filesystem._write_item)
+    stream = io.BytesIO()
+    with pytest.raises(TypeError, match="missing"):
+        module._write_item(stream, tensor, item, "__0_0.distcp")  # core 0.5's call on today's torch
+    dcp_write_item.bound_to_todays_torch(module)
+    stream = io.BytesIO()
+    result = module._write_item(stream, tensor, item, "__0_0.distcp")
+    assert result.storage_data.relative_path == "__0_0.distcp" and result.size_in_bytes == len(stream.getvalue()) > 0
+    stream.seek(0)
+    assert torch.equal(torch.load(stream, weights_only=True), tensor)

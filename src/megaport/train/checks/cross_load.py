@@ -94,6 +94,8 @@ def crossed_problems(tree: str, runs: dict) -> tuple:
     for name, one in runs.items():
         compared = resume.joined_against(tree, one)
         compared["resumed_iterations"] = one["resumed"]["iterations"]
+        # the unported side's shims (its saved half or its resumed half), listed as every baseline's are
+        compared["baseline_shims"] = [s for part in ("saved", "resumed") for s in one[part].get("baseline_shims", ())]
         figures[name] = compared
         problems += [f"{name}: {p}" for p in resume.resume_problems(one, compared)]
     return figures, problems
