@@ -1072,3 +1072,7 @@ def test_dcp_write_item_answers_the_writer_of_core_0_5_to_0_12_and_writes_with_t
     assert result.storage_data.relative_path == "__0_0.distcp" and result.size_in_bytes == len(stream.getvalue()) > 0
     stream.seek(0)
     assert torch.equal(torch.load(stream, weights_only=True), tensor)
+    stream = io.BytesIO()  # core 0.11-0.12's call: the transforms given, the format not
+    module._write_item(filesystem._StorageWriterTransforms(), stream, tensor, item, "__1_0.distcp")
+    stream.seek(0)
+    assert torch.equal(torch.load(stream, weights_only=True), tensor)
