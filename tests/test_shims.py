@@ -736,6 +736,27 @@ def test_the_audit_sees_the_port_when_a_process_loads_it(tmp_path, folder, modul
     assert {f"finder {package}.blocker._ImportBlocker", f"finder {package}.hooks._ServeAfterImport"} <= set(loaded), loaded
 
 
+def test_a_rank_stopped_while_it_writes_its_audit_leaves_no_half_report(tmp_path, monkeypatch):
+    """torchrun stops the other ranks when one ends: a rank stopped inside its exit-time report had
+    left an empty audit-*.json, and reading the folder failed the whole check (e6-2024-06, GPT
+    tp2-pp2 against unported upstream: JSONDecodeError). A report is whole or absent."""
+    from megaport.train.shims import audit
+
+    monkeypatch.setenv(audit.AUDIT_DIR_ENV, str(tmp_path))
+    Path(tmp_path, "audit-1.json").write_text(json.dumps(["module rocm_port"]), encoding="utf-8")  # a rank that finished
+
+    def stopped_midway(self, text, encoding=None):
+        with open(self, "w", encoding=encoding):
+            pass
+        raise SystemExit(143)
+
+    monkeypatch.setattr(Path, "write_text", stopped_midway)
+    with pytest.raises(SystemExit):
+        audit.report_port_code()
+    monkeypatch.undo()
+    assert audit.read(tmp_path) == ["module rocm_port"]
+
+
 _APEX_VALUES = """
 import json, torch
 torch.manual_seed(0)

@@ -34,10 +34,15 @@ def port_code_loaded() -> list:
 
 
 def report_port_code() -> None:
-    """Write what :func:`port_code_loaded` found to ``$MEGAPORT_BASELINE_AUDIT_DIR`` (when set)."""
+    """Write what :func:`port_code_loaded` found to ``$MEGAPORT_BASELINE_AUDIT_DIR`` (when set),
+    whole or not at all: written beside, then renamed. A rank that torchrun stopped while it wrote
+    its report at exit had left an empty ``audit-*.json``, and reading it failed the whole layout
+    check (e6-2024-06, GPT tp2-pp2 against unported upstream: ``JSONDecodeError``)."""
     folder = os.environ.get(AUDIT_DIR_ENV)
     if folder and os.path.isdir(folder):
-        Path(folder, f"audit-{os.getpid()}.json").write_text(json.dumps(port_code_loaded()), encoding="utf-8")
+        partial = Path(folder, f"audit-{os.getpid()}.partial")
+        partial.write_text(json.dumps(port_code_loaded()), encoding="utf-8")
+        os.replace(partial, Path(folder, f"audit-{os.getpid()}.json"))
 
 
 def read(folder) -> list | None:
