@@ -427,3 +427,31 @@ def test_a_run_whose_rendezvous_port_was_taken_in_between_runs_once_more(monkeyp
     with pytest.raises(failure.RunFailed, match="nan"):
         pretrain._run_pretrain("run", None)
     assert len(calls) == 1
+
+
+def test_a_baseline_retried_with_a_shim_starts_from_what_was_there_before(tmp_path):
+    """core 0.9's unported upstream died writing its checkpoint (torch's _write_item), and the retry
+    with the shim that answers it was refused: "Checkpoint destination directory ... is not empty".
+    The failed attempt's writing is taken back; a checkpoint that was there before it stays."""
+    from megaport.train import baseline
+
+    save = tmp_path / "cross"
+    (save / "iter_0000010").mkdir(parents=True)  # what the run resumes from, there before it
+    died = failure.Failure("RuntimeError", "Worker failure: _write_item() missing 2 required positional arguments: "
+                           "'storage_key' and 'serialization_format'", (failure.Frame(
+                               "/tmp/u/megatron/core/dist_checkpointing/strategies/filesystem_async.py", 308,
+                               "write_preloaded_data_multiproc", "raise RuntimeError(...)"),))
+    seen = []
+
+    def start(env):
+        seen.append(sorted(os.listdir(save)))
+        if len(seen) == 1:
+            (save / "iter_0000015").mkdir()
+            (save / "iter_0000015" / "__0_0.distcp").write_bytes(b"half")
+            raise failure.RunFailed("Worker failure", [died])
+        return {"baseline_port_code": []}
+
+    run = pretrain.Run(tree=str(tmp_path), family="gpt", extra=((("--save", str(save)), "saves at 15"),))
+    assert baseline.save_folder(run) == str(save)
+    result, names = baseline.with_fewest_shims(baseline.clean_retries(start, baseline.save_folder(run)), {})
+    assert names == ["dcp-write-item"] and seen == [["iter_0000010"], ["iter_0000010"]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 
 from megaport.envpaths import with_paths_first, without_pythonpath
 from megaport.train.tree_files import exported
@@ -83,6 +84,39 @@ def gives(run, flag: str) -> bool:
     return bool(field) or any(flag in added for added, _ in run.extra)
 
 
+def save_folder(run) -> str | None:
+    """Where ``run`` has upstream write its checkpoints (``--save``: its own field, or a check's
+    extra flags), or None."""
+    if run.save:
+        return run.save
+    for added, _ in run.extra:
+        flags = list(added)
+        if "--save" in flags[:-1]:
+            return flags[flags.index("--save") + 1]
+    return None
+
+
+def clean_retries(start, folder: str | None):
+    """``start``, which takes back what a failed attempt wrote into ``folder`` before the next one:
+    an attempt that died writing its checkpoint (core 0.9's writer on today's torch, before its
+    shim) left ``iter_0000015`` half written, and upstream's save then refused the retry ("Checkpoint
+    destination directory ... is not empty"). What was there before the attempt (a checkpoint it
+    resumes from) stays."""
+    def attempt(env):
+        before = set(os.listdir(folder)) if folder and os.path.isdir(folder) else set()
+        try:
+            return start(env)
+        except RunFailed:
+            for name in (set(os.listdir(folder)) - before) if folder and os.path.isdir(folder) else ():
+                path = os.path.join(folder, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            raise
+    return attempt
+
+
 def run_unported(run, sha: str, also: tuple = (), where_they_apply: tuple = ()) -> tuple[dict, list]:
     """``run`` (a pretrain.Run on a ported tree) on the tree's unported upstream commit ``sha``, as
     given (its mode, sizes, learning rate and dropout): (the result, the shims it needed, listed in
@@ -96,7 +130,8 @@ def run_unported(run, sha: str, also: tuple = (), where_they_apply: tuple = ()) 
         upstream = dataclasses.replace(run, tree=folder)
         wanted = [*(LOADING_SHIMS if gives(run, "--load") else ()), *where_they_apply,
                   *registry.get(run.family).baseline_shims]
-        result, names = with_fewest_shims(lambda shimmed: run_pretrain(upstream, shimmed), env,
+        result, names = with_fewest_shims(clean_retries(lambda shimmed: run_pretrain(upstream, shimmed),
+                                                        save_folder(run)), env,
                                           first=[*also, *dict.fromkeys(name for name in wanted
                                                                        if shims.applies(name, folder) and name not in also)])
     result["baseline_shims"] = [shims.describe(s) for s in names]
