@@ -17,6 +17,7 @@ import os
 import shutil
 
 from megaport.envpaths import with_paths_first, without_pythonpath
+from megaport.train.example import flag_value
 from megaport.train.tree_files import exported
 from megaport.train.shims import registry as shims
 from megaport.train.failure import RunFailed
@@ -87,13 +88,7 @@ def gives(run, flag: str) -> bool:
 def save_folder(run) -> str | None:
     """Where ``run`` has upstream write its checkpoints (``--save``: its own field, or a check's
     extra flags), or None."""
-    if run.save:
-        return run.save
-    for added, _ in run.extra:
-        flags = list(added)
-        if "--save" in flags[:-1]:
-            return flags[flags.index("--save") + 1]
-    return None
+    return run.save or flag_value([token for added, _ in run.extra for token in added], "--save")
 
 
 def clean_retries(start, folder: str | None):

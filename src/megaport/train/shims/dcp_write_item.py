@@ -37,7 +37,8 @@ def bound_to_todays_torch(module) -> None:
     todays = getattr(filesystem, "_write_item", None)
     if todays is None or getattr(module, "_write_item", None) is not todays:
         return
-    names = tuple(inspect.signature(todays).parameters)
+    signature = inspect.signature(todays)
+    names = tuple(signature.parameters)
     no_transforms = getattr(filesystem, "_StorageWriterTransforms", None)
     torch_save = getattr(getattr(filesystem, "SerializationFormat", None), "TORCH_SAVE", None)
 
@@ -48,7 +49,7 @@ def bound_to_todays_torch(module) -> None:
             leading = (no_transforms(),)
         call = (*leading, *args)
         if "serialization_format" in names and torch_save is not None:
-            bound = inspect.signature(todays).bind_partial(*call, **kwargs)
+            bound = signature.bind_partial(*call, **kwargs)
             bound.arguments.setdefault("serialization_format", torch_save)
             return todays(*bound.args, **bound.kwargs)
         return todays(*call, **kwargs)
