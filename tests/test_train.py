@@ -455,3 +455,31 @@ def test_a_baseline_retried_with_a_shim_starts_from_what_was_there_before(tmp_pa
     assert baseline.save_folder(run) == str(save)
     result, names = baseline.with_fewest_shims(baseline.clean_retries(start, baseline.save_folder(run)), {})
     assert names == ["dcp-write-item"] and seen == [["iter_0000010"], ["iter_0000010"]]
+
+
+def test_the_harness_keeps_upstreams_bias_gelu_fusion_on_its_unported_side(monkeypatch):
+    """PyPI's megatron-core without megatron/training trains through the harness's own config: its
+    unported side keeps upstream's fused bias-GeLU too (the same yardstick as the parser's runs),
+    and turns off what a ROCm user must (the softmax kernel)."""
+    import dataclasses as dc
+    import types
+
+    import torch
+
+    from megaport.train.harness import worker
+
+    @dc.dataclass
+    class TransformerConfig:
+        num_layers: int = 1
+        hidden_size: int = 1
+        num_attention_heads: int = 1
+        masked_softmax_fusion: bool = True
+        bias_activation_fusion: bool = True
+        bias_dropout_fusion: bool = True
+
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.transformer_config",
+                        types.SimpleNamespace(TransformerConfig=TransformerConfig))
+    monkeypatch.setattr(worker, "_ddp_module", lambda: None)
+    facts: dict = {}
+    config, _ = worker._config(worker.HarnessRun(mode="fusions-off", dtype="fp32"), torch, facts)
+    assert config.bias_activation_fusion and not config.masked_softmax_fusion and not config.bias_dropout_fusion

@@ -58,6 +58,9 @@ from megaport.train import failure
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
            "persist_layer_norm", "gradient_accumulation_fusion", "apply_rope_fusion")
+#: on in both modes: upstream's fused bias-GeLU (the harness's GPT is a GELU model), as the parser's
+#: runs keep it (example.FUSIONS_OFF_FLAGS says why)
+UPSTREAMS_OWN = ("bias_activation_fusion", "bias_gelu_fusion")
 
 
 @dataclasses.dataclass
@@ -150,7 +153,7 @@ def _config(run: HarnessRun, torch, facts: dict):
         num_layers=run.layers, hidden_size=run.hidden, num_attention_heads=run.heads,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=run.dtype == "bf16", params_dtype=dtype, pipeline_dtype=dtype,
-        **{name: on for name in FUSIONS},
+        **{name: on or name in UPSTREAMS_OWN for name in FUSIONS},
     )
     if not on:
         wanted["apply_rope_fusion"] = False
