@@ -403,6 +403,35 @@ def test_torch_adam_resumes_an_nvidia_boxs_checkpoint(rp):
     assert {s["step"].item() for s in resumed.state.values()} == {5.0}
 
 
+def _common_step_restored(saved):
+    """Upstream from 2024-07-10 on (one rank): the checkpoint's one ``common_step`` (None where
+    apex's FusedAdam wrote it: apex keeps no step per parameter) put into every parameter's state."""
+    common = {float(s["step"]) for s in saved["state"].values() if s.get("step") is not None}
+    restored = copy.deepcopy(saved)
+    for state in restored["state"].values():
+        state["step"] = common.pop() if common else None
+    return restored
+
+
+@pytest.mark.parametrize("resumer", ["fused", "torch"])
+def test_an_apex_checkpoints_common_step_none_takes_the_groups(rp, resumer):
+    """core 0.9 772faca1: the ported tree resuming a one-rank checkpoint an apex box wrote failed
+    in torch's Adam ``__setstate__`` (``float(None)``): the restored common step is None."""
+    box = _nvidia_box_adam(_params())
+    _train(box, 3)
+    saved = _common_step_restored(box.state_dict())
+    with pytest.raises(TypeError, match="NoneType"):  # unported: torch's Adam reads the None
+        torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1).load_state_dict(copy.deepcopy(saved))
+    resumed = (rp.FusedAdam(_params(), lr=0.1, weight_decay=0.1) if resumer == "fused"
+               else _wrapped(rp, torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1)))
+    resumed.load_state_dict(saved)
+    _same_params(resumed, box)
+    _train(box, 2)
+    _train(resumed, 2)
+    assert _apart(resumed, box) < 1e-6
+    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+
+
 def test_the_ports_fused_adam_is_not_hooked_twice(rp):
     fused = _wrapped(rp, rp.FusedAdam(_params(), lr=0.1))
     assert not fused._optimizer_state_dict_post_hooks and not getattr(fused, "_rocm_port", False)

@@ -269,15 +269,17 @@ def _steps_in_param_groups(base):
 
     Upstream's distributed optimizer of 2023-05-24 … 2024-07-30 saves apex's param groups and, on
     a resume, rebuilds each parameter's state as ``exp_avg``/``exp_avg_sq`` alone (apex keeps no
-    step there): torch's AdamW then fails ``KeyError: 'step'``. A parameter whose state lost its
-    step takes its group's, so the resumed run steps on from the saved iteration."""
+    step there): torch's AdamW then fails ``KeyError: 'step'``. From 2024-07-10 (b3c9af58d4) on,
+    one rank restores the one ``common_step`` it saved into every parameter's state: None where
+    apex wrote the checkpoint, and torch's ``float(None)`` fails. A parameter whose state lost its step takes its group's, so the
+    resumed run steps on from the saved iteration."""
 
     class StepInGroups(base):
         def __setstate__(self, state):
             for group in state["param_groups"]:  # a loaded state rebuilt without its step: the group's
                 on_device = group.get("fused") or group.get("capturable")
                 for p in group["params"]:
-                    if state["state"].get(p) and "step" not in state["state"][p]:
+                    if state["state"].get(p) and state["state"][p].get("step") is None:
                         say_once(_STEP_FROM_GROUP)
                         state["state"][p]["step"] = torch.tensor(float(group.get("step", 0)), dtype=torch.float32,
                                                                  device=p.device if on_device else None)

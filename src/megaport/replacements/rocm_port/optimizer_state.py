@@ -219,7 +219,7 @@ def _group_steps_read(optimizer, state_dict):
             continue
         for i in group.get("params", []):
             state = state_dict["state"].get(i)
-            if state and "step" not in state:
+            if state and state.get("step") is None:  # from 2024-07-10: apex's common_step None
                 state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
     return state_dict
 
