@@ -31,3 +31,10 @@ def test_every_sampled_commit_since_v2_0_ports(full_clone):
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(listed) >= 130
     assert not [line for line in listed if "unported@" in line]
+
+
+def test_only_picks_each_series_oldest_sampled_commit(full_clone):
+    listed = subprocess.run([sys.executable, str(TOOL), "--repo", str(full_clone), "--sampled", "--list",
+                             "--series", "e7-2026-02", "--only", "*@oldest"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert listed == ["7a8f305f81b1  e7-2026-02@oldest"]
