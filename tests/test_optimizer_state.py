@@ -385,6 +385,16 @@ def test_an_nvidia_box_resumes_torch_adams_checkpoint_with_its_step(rp, capsys):
     assert capsys.readouterr().out.count("> ROCm port: torch's Adam writes its step into its param groups") == 1
 
 
+def _steps_on_as_the_box(resumed, saved, box) -> None:
+    """``resumed`` loads the box's ``saved`` state after its 3 steps and takes 2 more as the box does."""
+    resumed.load_state_dict(saved)
+    _same_params(resumed, box)
+    _train(box, 2)
+    _train(resumed, 2)
+    assert _apart(resumed, box) < 1e-6
+    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+
+
 def test_torch_adam_resumes_an_nvidia_boxs_checkpoint(rp):
     box = _nvidia_box_adam(_params())
     _train(box, 3)
@@ -395,12 +405,7 @@ def test_torch_adam_resumes_an_nvidia_boxs_checkpoint(rp):
         unserved.load_state_dict(box.state_dict())
         _train(unserved, 1)
     resumed = _wrapped(rp, torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1))
-    resumed.load_state_dict(saved)
-    _same_params(resumed, box)
-    _train(box, 2)
-    _train(resumed, 2)
-    assert _apart(resumed, box) < 1e-6
-    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+    _steps_on_as_the_box(resumed, saved, box)
 
 
 def _common_step_restored(saved):
@@ -424,12 +429,7 @@ def test_an_apex_checkpoints_common_step_none_takes_the_groups(rp, resumer):
         torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1).load_state_dict(copy.deepcopy(saved))
     resumed = (rp.FusedAdam(_params(), lr=0.1, weight_decay=0.1) if resumer == "fused"
                else _wrapped(rp, torch.optim.AdamW(_params(), lr=0.1, weight_decay=0.1)))
-    resumed.load_state_dict(saved)
-    _same_params(resumed, box)
-    _train(box, 2)
-    _train(resumed, 2)
-    assert _apart(resumed, box) < 1e-6
-    assert {s["step"].item() for s in resumed.state.values()} == {5.0}
+    _steps_on_as_the_box(resumed, saved, box)
 
 
 def test_the_ports_fused_adam_is_not_hooked_twice(rp):
