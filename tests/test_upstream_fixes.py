@@ -354,19 +354,30 @@ class T5MaskedWordPieceDataset:
 '''
 
 
-def _t5_module(tmp_path, source=T5_DATASET):
-    path = tmp_path / "t5_dataset.py"
+def _upstream_module(path, name: str, source: str):
+    """``source`` written at ``path`` and loaded as upstream's module ``name`` (its file on disk:
+    the port and the shims read it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("megatron.core.datasets.t5_dataset", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _port_t5(module):
-    for step in port_support.load().after_import_steps("megatron.core.datasets.t5_dataset"):
+def _ported(module):
+    """``module`` after every step the port runs once it has loaded."""
+    for step in port_support.load().after_import_steps(module.__name__):
         step(module)
     return module
+
+
+def _t5_module(tmp_path, source=T5_DATASET):
+    return _upstream_module(tmp_path / "t5_dataset.py", "megatron.core.datasets.t5_dataset", source)
+
+
+def _port_t5(module):
+    return _ported(module)
 
 
 def test_unfixed_a_t5_sample_without_masked_spans_fails_and_the_shim_answers_it(tmp_path):
@@ -406,3 +417,79 @@ def test_where_the_window_s_statement_is_absent_the_port_leaves_t5_alone(tmp_pat
     method = module.T5MaskedWordPieceDataset.__getitem__
     assert _port_t5(module).T5MaskedWordPieceDataset.__getitem__ is method
     assert registry.applies("t5-decoder-output-pads", str(tmp_path)) is False
+
+
+#: The shape of upstream 60d5b383fa … 37cd8f280d's GPT specs without TransformerEngine: the TE names
+#: were never imported, and the local spec's MoE asked for them.
+GPT_LAYER_SPECS = '''
+from typing import Optional
+
+
+class ColumnParallelLinear: ...
+
+
+class RowParallelLinear: ...
+
+
+try:
+    from transformer_engine_is_not_installed import TEColumnParallelGroupedLinear, TEColumnParallelLinear
+    HAVE_TE = True
+except ImportError:
+    HAVE_TE = False
+
+
+def get_gpt_layer_local_spec(num_experts: Optional[int] = None):
+    return _get_mlp_module_spec(use_te=False, num_experts=num_experts)
+
+
+def _get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+):
+    """Helper function to get module spec for MLP"""
+    if num_experts is not None:
+        moe_spec = _get_moe_module_spec(
+            use_te=True, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, fp8=fp8
+        )
+        return moe_spec
+    return {"linear_fc1": ColumnParallelLinear}
+
+
+def _get_moe_module_spec(use_te=True, num_experts=None, moe_grouped_gemm=False, fp8=None):
+    use_te_grouped_gemm = use_te and TEColumnParallelGroupedLinear is not None
+    return {"experts": ColumnParallelLinear, "shared_experts": TEColumnParallelLinear if use_te else ColumnParallelLinear}
+'''
+GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+
+
+def _gpt_specs(tmp_path, source=GPT_LAYER_SPECS):
+    return _upstream_module(tmp_path / "megatron/core/models/gpt/gpt_layer_specs.py", GPT_SPECS, source)
+
+
+def test_unfixed_the_local_moe_spec_asks_for_te_and_the_shim_answers_it(tmp_path):
+    module = _gpt_specs(tmp_path)
+    assert module.get_gpt_layer_local_spec()["linear_fc1"] is module.ColumnParallelLinear  # dense: fine
+    with pytest.raises(NameError, match="TEColumnParallelGroupedLinear") as raised:
+        module.get_gpt_layer_local_spec(num_experts=8)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "moe-spec-use-te"
+    assert registry.applies("moe-spec-use-te", str(tmp_path)) is True
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_the_local_moe_spec_is_built_of_local_layers_as_upstreams_fix_does(tmp_path, fix):
+    module = _gpt_specs(tmp_path)
+    if fix == "port":
+        _ported(module)
+    else:
+        registry.REGISTRY["moe-spec-use-te"].moe_spec_takes_use_te(module)
+    assert module.get_gpt_layer_local_spec(num_experts=8) == {"experts": module.ColumnParallelLinear,
+                                                              "shared_experts": module.ColumnParallelLinear}
+
+
+def test_where_the_window_s_call_is_absent_the_port_leaves_the_specs_alone(tmp_path):
+    module = _gpt_specs(tmp_path, GPT_LAYER_SPECS.replace("            use_te=True,", "            use_te=use_te,"))
+    function = module._get_mlp_module_spec
+    assert _ported(module)._get_mlp_module_spec is function
+    assert registry.applies("moe-spec-use-te", str(tmp_path)) is False

@@ -44,6 +44,7 @@ from .te_absent import (
 )
 from .upstream_fixes import (
     _chained_optimizers_clip_by_one_norm,
+    _local_moe_spec_takes_use_te,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
     _t5_decoder_output_pads_zeroed,
@@ -97,6 +98,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,
     "megatron.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,  # its name until 2024-02-13
     "megatron.core.datasets.t5_dataset": _t5_decoder_output_pads_zeroed,
+    "megatron.core.models.gpt.gpt_layer_specs": _local_moe_spec_takes_use_te,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

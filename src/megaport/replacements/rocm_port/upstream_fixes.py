@@ -246,6 +246,27 @@ def _chained_optimizers_clip_by_one_norm(module) -> None:
     chained.step = step_clipping_by_one_norm
 
 
+def _recompiled(function, fix, module):
+    """``function`` compiled again from its syntax tree as ``fix`` (an :class:`ast.NodeTransformer`
+    with ``found``) changes it, in ``module``'s globals and under its own file and line numbers, so
+    nothing but the fixed statement changes; None where ``fix`` finds nothing, the source is not on
+    disk, or the function has a closure (zero-argument ``super()`` cannot be compiled outside its class)."""
+    if function.__code__.co_freevars:
+        return None
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError):
+        return None
+    tree = fix.visit(ast.parse(textwrap.dedent("".join(lines))))
+    if not fix.found:
+        return None
+    ast.fix_missing_locations(tree)
+    ast.increment_lineno(tree, first - 1)
+    made: dict = {}
+    exec(compile(tree, inspect.getsourcefile(function), "exec"), vars(module), made)  # upstream's own code
+    return functools.wraps(function)(made[function.__name__])
+
+
 _T5_LABELS = ("T5's dataset zeroes the pad tokens of its decoder output, as upstream's 9ddbce3aa2 does (it named "
               "a loop variable, 'labels', and failed on a sample without masked spans)")
 
@@ -279,21 +300,55 @@ def _t5_decoder_output_pads_zeroed(module) -> None:
     where the statement is absent, nothing changes."""
     dataset = getattr(module, "T5MaskedWordPieceDataset", None)
     method = getattr(dataset, "__getitem__", None)
-    if method is None or getattr(method, "__rocm_port_t5_labels__", False) or method.__code__.co_freevars:
-        return  # a method with a closure (zero-argument super()) cannot be compiled again outside its class
-    try:
-        lines, first = inspect.getsourcelines(method)
-    except (OSError, TypeError):
+    if method is None or getattr(method, "__rocm_port_t5_labels__", False):
         return
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    fix = _DecoderOutputForLabels()
-    tree = fix.visit(tree)
-    if not fix.found:
+    fixed = _recompiled(method, _DecoderOutputForLabels(), module)
+    if fixed is None:
         return
-    ast.increment_lineno(tree, first - 1)
-    made: dict = {}
-    exec(compile(tree, inspect.getsourcefile(method), "exec"), vars(module), made)  # upstream's own code
-    fixed = functools.wraps(method)(made[method.__name__])
     fixed.__rocm_port_t5_labels__ = True
     dataset.__getitem__ = fixed
     say_once(_T5_LABELS)
+
+
+_MOE_SPEC_USE_TE = ("the local GPT spec's MoE layer is built of local layers, as upstream's 37cd8f280d has it (the spec "
+                    "asked for TransformerEngine's whatever it was given: NameError without TE)")
+
+
+class _MoESpecTakesUseTe(ast.NodeTransformer):
+    """``_get_moe_module_spec(use_te=True, ...)`` -> ``(use_te=use_te, ...)`` inside a function that
+    takes ``use_te``: upstream's 37cd8f280d, the one argument it changed; ``found`` says whether it was there."""
+
+    found = False
+
+    def visit_FunctionDef(self, node):
+        if any(a.arg == "use_te" for a in node.args.args + node.args.kwonlyargs):
+            self.generic_visit(node)
+        return node
+
+    def visit_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id == "_get_moe_module_spec":
+            for keyword in node.keywords:
+                if keyword.arg == "use_te" and isinstance(keyword.value, ast.Constant) and keyword.value.value is True:
+                    keyword.value = ast.copy_location(ast.Name(id="use_te", ctx=ast.Load()), keyword.value)
+                    self.found = True
+        return self.generic_visit(node)
+
+
+def _local_moe_spec_takes_use_te(module) -> None:
+    """Upstream main from 60d5b383fa (2024-12-07) until 37cd8f280d (2024-12-09):
+    ``_get_mlp_module_spec`` passed ``use_te=True`` to ``_get_moe_module_spec`` whatever it was given,
+    so the local GPT spec's MoE layer asked for TransformerEngine's layers: without TE, Mixtral and
+    DeepSeek failed to build (``NameError: name 'TEColumnParallelGroupedLinear' is not defined``,
+    then ``TEColumnParallelLinear`` for the shared experts); with TE, ``--transformer-impl local``
+    built TE's. Two days of main, inside core-0.10-0.12's range, so no series patch can carry it
+    (as for :func:`_t5_decoder_output_pads_zeroed`): upstream's function compiled again with the one
+    argument 37cd8f280d changed; where the call is absent, nothing changes."""
+    function = getattr(module, "_get_mlp_module_spec", None)
+    if function is None or getattr(function, "__rocm_port_moe_use_te__", False):
+        return
+    fixed = _recompiled(function, _MoESpecTakesUseTe(), module)
+    if fixed is None:
+        return
+    fixed.__rocm_port_moe_use_te__ = True
+    module._get_mlp_module_spec = fixed
+    say_once(_MOE_SPEC_USE_TE)
