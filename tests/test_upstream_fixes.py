@@ -376,8 +376,12 @@ def _t5_module(tmp_path, source=T5_DATASET):
     return _upstream_module(tmp_path / "t5_dataset.py", "megatron.core.datasets.t5_dataset", source)
 
 
-def _port_t5(module):
-    return _ported(module)
+def _fixed_by(module, fix: str, shim: str, function: str):
+    """``module`` fixed by the port's after-import steps (``fix`` "port") or by baseline shim ``shim``'s ``function``."""
+    if fix == "port":
+        return _ported(module)
+    getattr(registry.REGISTRY[shim], function)(module)
+    return module
 
 
 def test_unfixed_a_t5_sample_without_masked_spans_fails_and_the_shim_answers_it(tmp_path):
@@ -403,11 +407,7 @@ def test_the_shim_answers_the_failure_a_dataloader_worker_re_raises(tmp_path):
 
 @pytest.mark.parametrize("fix", ["port", "shim"])
 def test_t5_zeroes_its_decoder_outputs_pads_as_upstreams_fix_does(tmp_path, fix):
-    module = _t5_module(tmp_path)
-    if fix == "port":
-        _port_t5(module)
-    else:
-        registry.REGISTRY["t5-decoder-output-pads"].decoder_output_pads(module)
+    module = _fixed_by(_t5_module(tmp_path), fix, "t5-decoder-output-pads", "decoder_output_pads")
     assert module.T5MaskedWordPieceDataset([])[0]["labels"].tolist() == [0]
     assert module.T5MaskedWordPieceDataset([([1], [3, 7])])[0]["labels"].tolist() == [3, 0, 0]
 
@@ -415,7 +415,7 @@ def test_t5_zeroes_its_decoder_outputs_pads_as_upstreams_fix_does(tmp_path, fix)
 def test_where_the_window_s_statement_is_absent_the_port_leaves_t5_alone(tmp_path):
     module = _t5_module(tmp_path, T5_DATASET.replace("labels[labels ==", "decoder_output[decoder_output =="))
     method = module.T5MaskedWordPieceDataset.__getitem__
-    assert _port_t5(module).T5MaskedWordPieceDataset.__getitem__ is method
+    assert _ported(module).T5MaskedWordPieceDataset.__getitem__ is method
     assert registry.applies("t5-decoder-output-pads", str(tmp_path)) is False
 
 
@@ -479,11 +479,7 @@ def test_unfixed_the_local_moe_spec_asks_for_te_and_the_shim_answers_it(tmp_path
 
 @pytest.mark.parametrize("fix", ["port", "shim"])
 def test_the_local_moe_spec_is_built_of_local_layers_as_upstreams_fix_does(tmp_path, fix):
-    module = _gpt_specs(tmp_path)
-    if fix == "port":
-        _ported(module)
-    else:
-        registry.REGISTRY["moe-spec-use-te"].moe_spec_takes_use_te(module)
+    module = _fixed_by(_gpt_specs(tmp_path), fix, "moe-spec-use-te", "moe_spec_takes_use_te")
     assert module.get_gpt_layer_local_spec(num_experts=8) == {"experts": module.ColumnParallelLinear,
                                                               "shared_experts": module.ColumnParallelLinear}
 

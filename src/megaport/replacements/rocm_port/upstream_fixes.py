@@ -267,6 +267,20 @@ def _recompiled(function, fix, module):
     return functools.wraps(function)(made[function.__name__])
 
 
+def _replaced_by_fix(owner, name: str, fix, module, said: str) -> None:
+    """``owner.name``, upstream's function, replaced by itself compiled again as ``fix`` changes it
+    (:func:`_recompiled`), said once; left alone where it is absent, already fixed, or unchanged by ``fix``."""
+    function = getattr(owner, name, None)
+    if function is None or getattr(function, "__rocm_port_fixed__", False):
+        return
+    fixed = _recompiled(function, fix, module)
+    if fixed is None:
+        return
+    fixed.__rocm_port_fixed__ = True
+    setattr(owner, name, fixed)
+    say_once(said)
+
+
 _T5_LABELS = ("T5's dataset zeroes the pad tokens of its decoder output, as upstream's 9ddbce3aa2 does (it named "
               "a loop variable, 'labels', and failed on a sample without masked spans)")
 
@@ -298,16 +312,8 @@ def _t5_decoder_output_pads_zeroed(module) -> None:
     compiled again with the one statement 9ddbce3aa2 changed (its syntax tree, not its text, so
     nothing else can change), in its module's globals and under its own file and line numbers;
     where the statement is absent, nothing changes."""
-    dataset = getattr(module, "T5MaskedWordPieceDataset", None)
-    method = getattr(dataset, "__getitem__", None)
-    if method is None or getattr(method, "__rocm_port_t5_labels__", False):
-        return
-    fixed = _recompiled(method, _DecoderOutputForLabels(), module)
-    if fixed is None:
-        return
-    fixed.__rocm_port_t5_labels__ = True
-    dataset.__getitem__ = fixed
-    say_once(_T5_LABELS)
+    _replaced_by_fix(getattr(module, "T5MaskedWordPieceDataset", None), "__getitem__", _DecoderOutputForLabels(),
+                     module, _T5_LABELS)
 
 
 _MOE_SPEC_USE_TE = ("the local GPT spec's MoE layer is built of local layers, as upstream's 37cd8f280d has it (the spec "
@@ -343,12 +349,4 @@ def _local_moe_spec_takes_use_te(module) -> None:
     built TE's. Two days of main, inside core-0.10-0.12's range, so no series patch can carry it
     (as for :func:`_t5_decoder_output_pads_zeroed`): upstream's function compiled again with the one
     argument 37cd8f280d changed; where the call is absent, nothing changes."""
-    function = getattr(module, "_get_mlp_module_spec", None)
-    if function is None or getattr(function, "__rocm_port_moe_use_te__", False):
-        return
-    fixed = _recompiled(function, _MoESpecTakesUseTe(), module)
-    if fixed is None:
-        return
-    fixed.__rocm_port_moe_use_te__ = True
-    module._get_mlp_module_spec = fixed
-    say_once(_MOE_SPEC_USE_TE)
+    _replaced_by_fix(module, "_get_mlp_module_spec", _MoESpecTakesUseTe(), module, _MOE_SPEC_USE_TE)
