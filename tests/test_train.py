@@ -108,6 +108,14 @@ def test_shrinking_changes_sizes_iterations_and_io_only():
     assert flags.count("--split") == 0 and "--mock-data" in flags and "--seed" not in flags
 
 
+@pytest.mark.parametrize("source", [["--mock-data"], ["--train-data-path", "t", "--valid-data-path", "v"]])
+def test_the_scripts_data_source_gives_way_to_the_runs(source):
+    """Llama 3's script passes --mock-data as well as --data-path (both branches of its data
+    conditional): beside the run's indexed data upstream refused two sources (core 0.13's oldest commit)."""
+    flags = example.shrunk(["--fp16", *source, "--data-path", "$DATA"], example.Sizes(), data=["--data-path", "run"])
+    assert flags == ["--fp16", "--data-path", "run"]
+
+
 def test_a_step_schedule_is_shrunk_and_kept_without_the_global_batch_it_excludes():
     notes: list = []
     flags = example.shrunk(example.script_flags(SCHEDULE), example.Sizes(batch=2), data=[], notes=notes)

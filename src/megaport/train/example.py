@@ -31,10 +31,13 @@ EXAMPLE_FLAGS = (
     "--clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 "
     "--lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16"
 ).split()
-#: Flags whose values are paths or I/O, replaced by the run's data; and the batch-size ramp-up, a
-#: schedule over millions of samples (some eras refuse it with --train-iters) that says nothing at
-#: a few steps.
-IO_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir",
+#: Flags whose values are paths or I/O, replaced by the run's data (the data source too: a script's
+#: --mock-data beside the run's --data-path failed "A single data source must be provided", Llama 3's
+#: script on core 0.13's oldest commit, whose mock data the run cannot learn from); and the batch-size
+#: ramp-up, a schedule over millions of samples (some eras refuse it with --train-iters) that says
+#: nothing at a few steps.
+IO_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--valid-data-path", "--test-data-path",
+            "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir",
             "--save-interval", "--eval-interval", "--eval-iters", "--log-interval", "--split",
             "--rampup-batch-size")
 #: Flags upstream renamed while its example script kept the old name (the script's run then fails
