@@ -491,3 +491,15 @@ def test_the_harness_keeps_upstreams_bias_gelu_fusion_on_its_unported_side(monke
     facts: dict = {}
     config, _ = worker._config(worker.HarnessRun(mode="fusions-off", dtype="fp32"), torch, facts)
     assert config.bias_activation_fusion and not config.masked_softmax_fusion and not config.bias_dropout_fusion
+
+
+def test_gpts_core_datasets_before_mock_data_get_a_validation_split(tmp_path):
+    """2023-10-26 … 2024-01-26: pretrain_gpt.py built its data with megatron.core's builder, which
+    refused a validation split of no samples, and the parser had no --mock-data yet."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron/arguments.py").write_text("group.add_argument('--data-path', nargs='*')\n")
+    (tmp_path / "pretrain_gpt.py").write_text("from megatron.data.gpt_dataset import build_train_valid_test_datasets\n")
+    assert not example.core_data_pipeline(str(tmp_path), "pretrain_gpt.py")
+    (tmp_path / "pretrain_gpt.py").write_text("train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(\n")
+    assert example.core_data_pipeline(str(tmp_path), "pretrain_gpt.py")
+    assert not example.core_data_pipeline(str(tmp_path), "pretrain_bert.py")

@@ -51,9 +51,9 @@ LAUNCHER_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_ra
                   "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--standalone")
 #: Logging and evaluation of a short run: every iteration logged, no evaluation.
 SHORT_RUN = ["--split", "949,50,1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
-#: The same for a tiny indexed dataset in eras whose data pipeline is megatron.core's (those with
-#: --mock-data): an empty test split would make it loop for ever over zero-token epochs, and its
-#: samplers refuse an empty validation set.
+#: The same for a tiny indexed dataset in eras whose data pipeline is megatron.core's
+#: (:func:`core_data_pipeline`): an empty test split would make it loop for ever over zero-token
+#: epochs, and its samplers refuse an empty validation set.
 SHORT_RUN_CORE_DATA = ["--split", "90,10,0", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
 #: The same for BERT's and T5's datasets before megatron.core's (2022-2023): they build the
 #: validation split's sample mapping whatever --eval-iters says, and refuse zero samples.
@@ -266,6 +266,14 @@ def parity_learning_rate(tree: str, tokens: list | None = None,
         tokens, _ = example_flags(tree)
     given = flag_value(tokens, "--lr")
     return rate if given is None or float(given) < rate else None
+
+
+def core_data_pipeline(tree: str, entry_point: str) -> bool:
+    """Whether ``entry_point`` reads its data through megatron.core's dataset builder: every era
+    with ``--mock-data``, and GPT from 2023-10-26 (2a2b91144d), three months before the flag, where
+    the builder refused a validation split of no samples (``assert num_samples > 0``: core-0.4-0.5's
+    oldest commit trained nothing)."""
+    return parser_has(tree, "--mock-data") or tree_says(tree, entry_point, "BlendedMegatronDatasetBuilder")
 
 
 def mock_data_is_learnable(tree: str) -> bool:

@@ -266,10 +266,10 @@ def _format_flags(run: Run, notes: list) -> list:
 
 def _data(run: Run, family, tokens: list, workdir: str, notes: list) -> tuple:
     """The run's data, written to ``workdir``: (its flags, what it is, the environment it needs)."""
-    core_data = example.parser_has(run.tree, "--mock-data")
+    core_data = example.core_data_pipeline(run.tree, family.entry_point)
     if family.data == "wordpiece":
         return _wordpiece_data(run, tokens, workdir, notes, core_data)
-    if (core_data if run.data is None else run.data == "mock"):
+    if (example.parser_has(run.tree, "--mock-data") if run.data is None else run.data == "mock"):
         data, described = example.mock_data(run.sizes), "mock data, NullTokenizer"
     else:
         from megaport.train.data import indexed_data_flags
