@@ -647,3 +647,20 @@ def test_loss_parity_on_a_gpu_trains_the_sizes_it_trains_on_the_cpu(tmp_path):
         on_gpu, on_cpu = (parity.parity_run(tree, family=family, gpu=gpu) for gpu in (True, False))
         assert (on_gpu.device, on_cpu.device) == ("cuda", "cpu")
         assert on_gpu.sizes == on_cpu.sizes and on_gpu.lr == on_cpu.lr, family
+
+
+@pytest.mark.parametrize("pretrain_bert, expected", [
+    ("elif args.spec[0] == 'local':\n", [("--spec", "local")]),
+    ("transformer_layer_spec = import_module(args.spec)\n",
+     [("--spec", "megatron.core.models.bert.bert_layer_specs", "bert_layer_local_spec")]),
+    ("model = BertModel(num_tokentypes=2)\n", []),
+])
+def test_berts_local_spec_is_named_as_the_eras_spec_flag_takes_it(tmp_path, pretrain_bert, expected):
+    """2023-11 … 2024-02 --spec took a module and a function (``--spec local`` failed the parser:
+    "expected 2 arguments", core-0.4-0.5's oldest commit); from 2024-02 pretrain_bert.py reads 'local'."""
+    (tmp_path / "pretrain_bert.py").write_text(pretrain_bert)
+    specs = tmp_path / "megatron/core/models/bert/bert_layer_specs.py"
+    specs.parent.mkdir(parents=True)
+    specs.write_text("bert_layer_local_spec = ModuleSpec()\n")
+    bert = registry.FAMILIES["bert"]
+    assert [added for added, _, *when in bert.fusions_off if all(w(str(tmp_path)) for w in when)] == expected

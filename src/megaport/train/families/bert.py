@@ -19,6 +19,18 @@ def _bert_model_asks_for_nvte(tree: str) -> bool:
     return tree_says(tree, _BERT_MODEL, "NVTE_FLASH_ATTN")
 
 
+def _reads_local(tree: str) -> bool:
+    """Whether pretrain_bert.py takes ``--spec local`` for its local layer spec (2024-02 on)."""
+    return tree_says(tree, "pretrain_bert.py", "args.spec[0] == 'local'")
+
+
+def _reads_a_pair(tree: str) -> bool:
+    """Whether pretrain_bert.py imports ``--spec``'s module and function (2023-11 … 2024-02) and the
+    tree has the local spec to name."""
+    return (not _reads_local(tree) and tree_says(tree, "pretrain_bert.py", "import_module(args.spec)")
+            and tree_says(tree, "megatron/core/models/bert/bert_layer_specs.py", "bert_layer_local_spec ="))
+
+
 FAMILY = Family(
     name="bert",
     entry_point="pretrain_bert.py",
@@ -34,9 +46,13 @@ FAMILY = Family(
     sizes=example.Sizes(),
     data="wordpiece",
     # pretrain_bert.py takes its layer spec from --spec, not --transformer-impl: without TE, unported
-    # upstream refuses its default TE spec and says to use the local one
+    # upstream refuses its default TE spec and says to use the local one; before 2024-02 --spec was a
+    # module and function pair (the parser refused "--spec local"), which names the same local spec
     fusions_off=((("--spec", "local"), "pretrain_bert.py's local layer spec: unported upstream refuses its TE "
-                                      "spec without TransformerEngine and says to use this"),),
+                                      "spec without TransformerEngine and says to use this", _reads_local),
+                 (("--spec", "megatron.core.models.bert.bert_layer_specs", "bert_layer_local_spec"),
+                  "pretrain_bert.py's local layer spec, named as this era's --spec takes it (a module and a "
+                  "function): unported upstream has no TransformerEngine for its default TE spec", _reads_a_pair)),
     # megatron.core's BertModel (core 0.6 to 0.9) asserts one of these is 0 and says to set it; from
     # --attention-backend on (2024-11) the parser refuses it instead
     environment_needed=_bert_model_asks_for_nvte,

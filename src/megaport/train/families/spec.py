@@ -55,7 +55,7 @@ class Family:
     environment: dict = field(default_factory=dict)
     environment_needed: Callable[[str], bool] = _always
     #: what a ROCm user adds to run the family at all without TE, beside the fusions-off flags
-    #: (those the era's parser has): ((flags...), why)
+    #: (those the era's parser has): ((flags...), why) or ((flags...), why, applies(tree) -> bool)
     fusions_off: tuple = ()
     #: loss parity's learning rate where the family's example trains slower: one a hundred
     #: iterations measurably learn at and stay stable at (a spiking run amplifies rounding apart)
