@@ -489,3 +489,85 @@ def test_where_the_window_s_call_is_absent_the_port_leaves_the_specs_alone(tmp_p
     function = module._get_mlp_module_spec
     assert _ported(module)._get_mlp_module_spec is function
     assert registry.applies("moe-spec-use-te", str(tmp_path)) is False
+
+
+#: The shape of upstream e801b2bb2f … 3479e6fb26 (2023-09-07 … 12-05): with gradient-accumulation
+#: fusion the linear layer's backward hands autograd a placeholder, and the data-parallel hook drops
+#: what was added to it, the tied embedding's gradient included.
+TIED_WEIGHTS = '''
+import torch
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight):
+        ctx.save_for_backward(input, weight)
+        return input.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        weight.main_grad.add_(grad_output.t().matmul(input))
+        if hasattr(weight, 'grad_added_to_main_grad'):
+            grad_weight = torch.empty(weight.main_grad.shape, dtype=input.dtype, requires_grad=False)
+            weight.grad_added_to_main_grad = True
+        else:
+            grad_weight = None
+        return grad_output.matmul(weight), grad_weight
+
+
+class DistributedDataParallel:
+    def _make_param_hook(self, param):
+        def param_hook(*unused):
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+
+        return param_hook
+
+
+class LanguageModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.share_embeddings_and_output_weights, self.pre_process, self.post_process = True, True, True
+        self.embedding = torch.nn.Embedding(5, 3)
+
+    def shared_embedding_or_output_weight(self):
+        return self.embedding.weight
+
+    def initialize_last_stage_with_word_embeddings(self):
+        if not self.share_embeddings_and_output_weights or (self.pre_process and self.post_process):
+            return
+'''
+
+
+def _tied_model_grad(module):
+    """The main_grad of an embedding whose weight is also the output layer's, after one backward."""
+    model = module.LanguageModule()
+    model.initialize_last_stage_with_word_embeddings()
+    weight = model.shared_embedding_or_output_weight()
+    weight.main_grad, weight.grad_added_to_main_grad = torch.zeros_like(weight), False
+    grad_acc = weight.expand_as(weight).grad_fn.next_functions[0][0]  # kept, as upstream keeps it: its hook lives
+    grad_acc.register_hook(module.DistributedDataParallel()._make_param_hook(weight))
+    logits = module.LinearWithGradAccumulationAndAsyncCommunication.apply(model.embedding(torch.tensor([1, 2])),
+                                                                          weight)
+    logits.square().sum().backward()
+    return weight.main_grad
+
+
+def test_tied_weights_keep_both_layers_gradients_as_upstreams_fix_does(tmp_path):
+    unfixed = _upstream_module(tmp_path / "unfixed.py", "megatron.tied_unfixed", TIED_WEIGHTS)
+    torch.manual_seed(0)
+    lost = _tied_model_grad(unfixed)
+    torch.manual_seed(0)
+    model = unfixed.LanguageModule()
+    (model.embedding(torch.tensor([1, 2])).matmul(model.embedding.weight.t())).square().sum().backward()
+    whole = model.embedding.weight.grad
+    assert not torch.allclose(lost, whole)  # the embedding's own gradient was dropped
+    fixed = _upstream_module(tmp_path / "fixed.py", "megatron.tied_fixed", TIED_WEIGHTS)
+    steps = port_support.load().upstream_fixes
+    steps._tied_wgrad_placeholder_zeroed(fixed)
+    steps._tied_weights_grad_hook(fixed)
+    steps._tied_weights_keep_both_gradients(fixed)
+    torch.manual_seed(0)
+    assert torch.allclose(_tied_model_grad(fixed), whole)

@@ -45,6 +45,9 @@ from .te_absent import (
 from .upstream_fixes import (
     _chained_optimizers_clip_by_one_norm,
     _local_moe_spec_takes_use_te,
+    _tied_weights_grad_hook,
+    _tied_weights_keep_both_gradients,
+    _tied_wgrad_placeholder_zeroed,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
     _t5_decoder_output_pads_zeroed,
@@ -99,6 +102,10 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,  # its name until 2024-02-13
     "megatron.core.datasets.t5_dataset": _t5_decoder_output_pads_zeroed,
     "megatron.core.models.gpt.gpt_layer_specs": _local_moe_spec_takes_use_te,
+    "megatron.core.tensor_parallel.layers": _tied_wgrad_placeholder_zeroed,
+    "megatron.core.distributed.distributed_data_parallel": _tied_weights_grad_hook,
+    "megatron.core.models.common.language_module.language_module": _tied_weights_keep_both_gradients,
+    "megatron.model.module": _tied_weights_keep_both_gradients,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

@@ -251,7 +251,7 @@ def _recompiled(function, fix, module):
     with ``found``) changes it, in ``module``'s globals and under its own file and line numbers, so
     nothing but the fixed statement changes; None where ``fix`` finds nothing, the source is not on
     disk, or the function has a closure (zero-argument ``super()`` cannot be compiled outside its class)."""
-    if function.__code__.co_freevars:
+    if inspect.unwrap(function).__code__.co_freevars:  # a decorator's wrapper (custom_bwd) is compiled again with it
         return None
     try:
         lines, first = inspect.getsourcelines(function)
@@ -264,7 +264,10 @@ def _recompiled(function, fix, module):
     ast.increment_lineno(tree, first - 1)
     made: dict = {}
     exec(compile(tree, inspect.getsourcefile(function), "exec"), vars(module), made)  # upstream's own code
-    return functools.wraps(function)(made[function.__name__])
+    fixed = made[function.__name__]
+    if isinstance(fixed, (staticmethod, classmethod)):  # its decorators ran again on the fixed function
+        return fixed
+    return functools.wraps(function)(fixed)
 
 
 def _replaced_by_fix(owner, name: str, fix, module, said: str) -> None:
@@ -350,3 +353,95 @@ def _local_moe_spec_takes_use_te(module) -> None:
     (as for :func:`_t5_decoder_output_pads_zeroed`): upstream's function compiled again with the one
     argument 37cd8f280d changed; where the call is absent, nothing changes."""
     _replaced_by_fix(module, "_get_mlp_module_spec", _MoESpecTakesUseTe(), module, _MOE_SPEC_USE_TE)
+
+
+_TIED_WGRAD = ("a weight shared by two layers of one stage (tied embeddings) keeps both layers' gradients under "
+               "gradient-accumulation fusion, as upstream's 3479e6fb26 has it (the output layer's placeholder "
+               "gradient was torch.empty, and the embedding's gradient added to it was dropped)")
+
+
+class _PlaceholderWgradZeroedWhenShared(ast.NodeTransformer):
+    """``grad_weight = torch.empty(...)`` -> ``(torch.zeros if getattr(weight, 'zero_out_wgrad', False)
+    else torch.empty)(...)``: 3479e6fb26's change of the linear layers' backward."""
+
+    found = False
+
+    def visit_Assign(self, node):
+        call = node.value
+        if (len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "grad_weight"
+                and isinstance(call, ast.Call) and ast.unparse(call.func) == "torch.empty"):
+            zeros = ast.parse("torch.zeros if getattr(weight, 'zero_out_wgrad', False) else torch.empty",
+                              mode="eval").body
+            call.func = ast.copy_location(zeros, call.func)
+            self.found = True
+        return node
+
+
+class _SharedWeightsGradAdded(ast.NodeTransformer):
+    """``not param.grad_added_to_main_grad`` -> ``(not ... or getattr(param, 'zero_out_wgrad', False))``:
+    3479e6fb26's change of the data-parallel wrapper's gradient hook."""
+
+    found = False
+
+    def visit_UnaryOp(self, node):
+        if isinstance(node.op, ast.Not) and ast.unparse(node.operand) == "param.grad_added_to_main_grad":
+            self.found = True
+            shared = ast.parse("getattr(param, 'zero_out_wgrad', False)", mode="eval").body
+            return ast.copy_location(ast.BoolOp(op=ast.Or(), values=[node, shared]), node)
+        return self.generic_visit(node)
+
+
+def _unfixed(function) -> bool:
+    """Whether upstream's ``function`` predates 3479e6fb26 (it never names ``zero_out_wgrad``)."""
+    try:
+        return "zero_out_wgrad" not in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
+def _tied_wgrad_placeholder_zeroed(module) -> None:
+    """The linear layers' backward (``megatron.core.tensor_parallel.layers``): see
+    :func:`_tied_weights_keep_both_gradients`."""
+    cls = getattr(module, "LinearWithGradAccumulationAndAsyncCommunication", None)
+    if cls is not None and _unfixed(cls.backward):
+        _replaced_by_fix(cls, "backward", _PlaceholderWgradZeroedWhenShared(), module, _TIED_WGRAD)
+
+
+def _tied_weights_grad_hook(module) -> None:
+    """The data-parallel wrapper's gradient hook: see :func:`_tied_weights_keep_both_gradients`."""
+    cls = getattr(module, "DistributedDataParallel", None)
+    hook = getattr(cls, "_make_param_hook", None)
+    if hook is not None and _unfixed(hook):
+        _replaced_by_fix(cls, "_make_param_hook", _SharedWeightsGradAdded(), module, _TIED_WGRAD)
+
+
+def _tied_weights_keep_both_gradients(module) -> None:
+    """Upstream main from e801b2bb2f (2023-09-07) until 3479e6fb26 (2023-12-05), with gradient
+    accumulation fusion (upstream's default; the port serves its kernel): the output layer, sharing
+    its weight with the word embeddings on one pipeline stage, accumulated its gradient into
+    ``main_grad`` and handed autograd a ``torch.empty`` placeholder; the embedding's gradient was
+    added to that placeholder and the data-parallel hook dropped the sum, since the weight said its
+    gradient was already in ``main_grad``. GPT, BERT and T5 lost the embedding's gradient (grad norm
+    6 % below unported upstream's from the first iteration, core-0.4-0.5's oldest commit
+    9290c730d0; unported upstream with its fusions off never takes that path). As 3479e6fb26: the
+    shared weight is marked ``zero_out_wgrad`` (here, in the language models), the placeholder is
+    zeros, and the hook adds the gradient of a weight so marked; each step recompiles upstream's
+    function with 3479e6fb26's one change, and only where upstream's function lacks it."""
+    for cls_name, method_name in (("LanguageModule", "initialize_last_stage_with_word_embeddings"),
+                                  ("MegatronModule", "initialize_word_embeddings")):
+        cls = getattr(module, cls_name, None)
+        method = getattr(cls, method_name, None)
+        if method is None or getattr(method, "__rocm_port_fixed__", False) or not _unfixed(method):
+            continue
+
+        def marked(self, *args, _method=method, **kwargs):
+            result = _method(self, *args, **kwargs)
+            on_one_stage = getattr(self, "pre_process", True) and getattr(self, "post_process", True)
+            if getattr(self, "share_embeddings_and_output_weights", False) and on_one_stage:
+                self.shared_embedding_or_output_weight().zero_out_wgrad = True
+                say_once(_TIED_WGRAD)
+            return result
+
+        functools.update_wrapper(marked, method)
+        marked.__rocm_port_fixed__ = True
+        setattr(cls, method_name, marked)
