@@ -269,10 +269,8 @@ def _steps_in_param_groups(base):
 
     Upstream's distributed optimizer of 2023-05-24 … 2024-07-30 saves apex's param groups and, on
     a resume, rebuilds each parameter's state as ``exp_avg``/``exp_avg_sq`` alone (apex keeps no
-    step there): torch's AdamW then fails ``KeyError: 'step'``. From 2024-07-10 (b3c9af58d4) on,
-    one rank restores the one ``common_step`` it saved into every parameter's state: None where
-    apex wrote the checkpoint, and torch's ``float(None)`` fails. A parameter whose state lost its step takes its group's, so the
-    resumed run steps on from the saved iteration."""
+    step there): torch's AdamW fails ``KeyError: 'step'`` (``float(None)`` from 2024-07-10, whose
+    restored common step is None where apex wrote it). A parameter without its step takes its group's."""
 
     class StepInGroups(base):
         def __setstate__(self, state):

@@ -247,10 +247,9 @@ def _chained_optimizers_clip_by_one_norm(module) -> None:
 
 
 def _recompiled(function, fix, module):
-    """``function`` compiled again from its syntax tree as ``fix`` (an :class:`ast.NodeTransformer`
-    with ``found``) changes it, in ``module``'s globals and under its own file and line numbers, so
-    nothing but the fixed statement changes; None where ``fix`` finds nothing, the source is not on
-    disk, or the function has a closure (zero-argument ``super()`` cannot be compiled outside its class)."""
+    """``function`` compiled again from its syntax tree as ``fix`` (a NodeTransformer with ``found``)
+    changes it, in ``module``'s globals, under its own file and lines; None where ``fix`` finds nothing,
+    the source is not on disk, or it has a closure (zero-argument ``super()`` needs its class)."""
     if inspect.unwrap(function).__code__.co_freevars:  # a decorator's wrapper (custom_bwd) is compiled again with it
         return None
     try:
@@ -305,16 +304,12 @@ class _DecoderOutputForLabels(ast.NodeTransformer):
 
 
 def _t5_decoder_output_pads_zeroed(module) -> None:
-    """Upstream main from 75c07217d1 (2025-10-29) until 9ddbce3aa2 (2026-02-09; the core 0.16
-    releases carry the fix): ``T5MaskedWordPieceDataset.__getitem__`` zeroes the pad tokens of
-    ``labels[labels == pad]``, the loop variable of its masked spans, where the decoder output was
-    meant: a sample without masked spans fails (``UnboundLocalError``; T5 stopped at iteration 17 on
-    a 2025-11 commit), and the decoder output keeps its pads. A series patch cannot carry it: the
-    statement exists in three months of main alone, inside the ranges of series whose other
-    commits lack it (``git am`` of a hunk they lack would refuse them). So upstream's own method is
-    compiled again with the one statement 9ddbce3aa2 changed (its syntax tree, not its text, so
-    nothing else can change), in its module's globals and under its own file and line numbers;
-    where the statement is absent, nothing changes."""
+    """Main 75c07217d1 (2025-10-29) until 9ddbce3aa2 (2026-02-09; core 0.16 has the fix):
+    ``T5MaskedWordPieceDataset.__getitem__`` zeroes the pads of ``labels``, its masked spans' loop
+    variable, not of the decoder output: a sample without masked spans fails (``UnboundLocalError``,
+    T5 stopped at iteration 17 on a 2025-11 commit). Three months of main inside series whose other
+    commits lack the line, so no series patch can carry it: upstream's method with 9ddbce3aa2's one
+    statement (:func:`_recompiled`); where the statement is absent, nothing changes."""
     _replaced_by_fix(getattr(module, "T5MaskedWordPieceDataset", None), "__getitem__", _DecoderOutputForLabels(),
                      module, _T5_LABELS)
 
@@ -324,8 +319,7 @@ _MOE_SPEC_USE_TE = ("the local GPT spec's MoE layer is built of local layers, as
 
 
 class _MoESpecTakesUseTe(ast.NodeTransformer):
-    """``_get_moe_module_spec(use_te=True, ...)`` -> ``(use_te=use_te, ...)`` inside a function that
-    takes ``use_te``: upstream's 37cd8f280d, the one argument it changed; ``found`` says whether it was there."""
+    """``_get_moe_module_spec(use_te=True, ...)`` -> ``use_te=use_te`` where ``use_te`` is given: 37cd8f280d."""
 
     found = False
 
@@ -344,25 +338,19 @@ class _MoESpecTakesUseTe(ast.NodeTransformer):
 
 
 def _local_moe_spec_takes_use_te(module) -> None:
-    """Upstream main from 60d5b383fa (2024-12-07) until 37cd8f280d (2024-12-09):
-    ``_get_mlp_module_spec`` passed ``use_te=True`` to ``_get_moe_module_spec`` whatever it was given,
-    so the local GPT spec's MoE layer asked for TransformerEngine's layers: without TE, Mixtral and
-    DeepSeek failed to build (``NameError: name 'TEColumnParallelGroupedLinear' is not defined``,
-    then ``TEColumnParallelLinear`` for the shared experts); with TE, ``--transformer-impl local``
-    built TE's. Two days of main, inside core-0.10-0.12's range, so no series patch can carry it
-    (as for :func:`_t5_decoder_output_pads_zeroed`): upstream's function compiled again with the one
-    argument 37cd8f280d changed; where the call is absent, nothing changes."""
+    """Main 60d5b383fa (2024-12-07) until 37cd8f280d (2024-12-09): ``_get_mlp_module_spec`` passed
+    ``use_te=True`` to ``_get_moe_module_spec`` whatever it was given: without TE Mixtral and DeepSeek
+    failed to build (``NameError: name 'TEColumnParallelGroupedLinear' is not defined``). Two days of
+    main, so no series patch can carry it: upstream's function with 37cd8f280d's one argument."""
     _replaced_by_fix(module, "_get_mlp_module_spec", _MoESpecTakesUseTe(), module, _MOE_SPEC_USE_TE)
 
 
-_TIED_WGRAD = ("a weight shared by two layers of one stage (tied embeddings) keeps both layers' gradients under "
-               "gradient-accumulation fusion, as upstream's 3479e6fb26 has it (the output layer's placeholder "
-               "gradient was torch.empty, and the embedding's gradient added to it was dropped)")
+_TIED_WGRAD = ("tied embeddings keep both layers' gradients under gradient-accumulation fusion, as upstream's "
+               "3479e6fb26 (the embedding's was added to a torch.empty placeholder and dropped)")
 
 
 class _PlaceholderWgradZeroedWhenShared(ast.NodeTransformer):
-    """``grad_weight = torch.empty(...)`` -> ``(torch.zeros if getattr(weight, 'zero_out_wgrad', False)
-    else torch.empty)(...)``: 3479e6fb26's change of the linear layers' backward."""
+    """``grad_weight = torch.empty(...)``: zeros for a shared weight, 3479e6fb26's change of the backward."""
 
     found = False
 
@@ -378,8 +366,7 @@ class _PlaceholderWgradZeroedWhenShared(ast.NodeTransformer):
 
 
 class _SharedWeightsGradAdded(ast.NodeTransformer):
-    """``not param.grad_added_to_main_grad`` -> ``(not ... or getattr(param, 'zero_out_wgrad', False))``:
-    3479e6fb26's change of the data-parallel wrapper's gradient hook."""
+    """``not param.grad_added_to_main_grad``: or a shared weight, 3479e6fb26's change of the grad hook."""
 
     found = False
 
@@ -400,8 +387,7 @@ def _unfixed(function) -> bool:
 
 
 def _tied_wgrad_placeholder_zeroed(module) -> None:
-    """The linear layers' backward (``megatron.core.tensor_parallel.layers``): see
-    :func:`_tied_weights_keep_both_gradients`."""
+    """The linear layers' backward: see :func:`_tied_weights_keep_both_gradients`."""
     cls = getattr(module, "LinearWithGradAccumulationAndAsyncCommunication", None)
     if cls is not None and _unfixed(cls.backward):
         _replaced_by_fix(cls, "backward", _PlaceholderWgradZeroedWhenShared(), module, _TIED_WGRAD)
@@ -416,17 +402,12 @@ def _tied_weights_grad_hook(module) -> None:
 
 
 def _tied_weights_keep_both_gradients(module) -> None:
-    """Upstream main from e801b2bb2f (2023-09-07) until 3479e6fb26 (2023-12-05), with gradient
-    accumulation fusion (upstream's default; the port serves its kernel): the output layer, sharing
-    its weight with the word embeddings on one pipeline stage, accumulated its gradient into
-    ``main_grad`` and handed autograd a ``torch.empty`` placeholder; the embedding's gradient was
-    added to that placeholder and the data-parallel hook dropped the sum, since the weight said its
-    gradient was already in ``main_grad``. GPT, BERT and T5 lost the embedding's gradient (grad norm
-    6 % below unported upstream's from the first iteration, core-0.4-0.5's oldest commit
-    9290c730d0; unported upstream with its fusions off never takes that path). As 3479e6fb26: the
-    shared weight is marked ``zero_out_wgrad`` (here, in the language models), the placeholder is
-    zeros, and the hook adds the gradient of a weight so marked; each step recompiles upstream's
-    function with 3479e6fb26's one change, and only where upstream's function lacks it."""
+    """Main e801b2bb2f (2023-09-07) until 3479e6fb26 (2023-12-05), with gradient-accumulation fusion:
+    the output layer, sharing its weight with the word embeddings on one stage, handed autograd a
+    ``torch.empty`` placeholder, and the hook dropped the embedding's gradient added to it (GPT's grad
+    norm 6 % low from the first step on 9290c730d0; fusions off never take the path). As 3479e6fb26:
+    the shared weight is marked ``zero_out_wgrad`` here, the placeholder is zeros and the hook adds
+    a marked weight's gradient, each only where upstream's function lacks the fix."""
     for cls_name, method_name in (("LanguageModule", "initialize_last_stage_with_word_embeddings"),
                                   ("MegatronModule", "initialize_word_embeddings")):
         cls = getattr(module, cls_name, None)
