@@ -125,10 +125,9 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
                            more_sizes=family.size_flags(run.sizes, run.tree)) + (fork.deepspeed if fork else [])
     if run.mode == "fusions-off":
         flags += example.fusions_off_flags(run.tree)
-        for added, why, *when in family.fusions_off:
-            if example.parser_has(run.tree, added[0]) and all(applies(run.tree) for applies in when):
-                flags += list(added)
-                notes.append(f"{' '.join(added)} ({why})")
+        for added, why in family.fusions_off_for(run.tree):
+            flags += list(added)
+            notes.append(f"{' '.join(added)} ({why})")
     if run.dropout is not None:
         flags += ["--hidden-dropout", str(run.dropout), "--attention-dropout", str(run.dropout)]
         notes.append(f"dropout {run.dropout} (for loss parity)")

@@ -45,12 +45,12 @@ from .te_absent import (
 from .upstream_fixes import (
     _chained_optimizers_clip_by_one_norm,
     _local_moe_spec_takes_use_te,
-    _tied_weights_grad_hook,
-    _tied_weights_keep_both_gradients,
-    _tied_wgrad_placeholder_zeroed,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
     _t5_decoder_output_pads_zeroed,
+    _tied_weights_grad_hook,
+    _tied_weights_keep_both_gradients,
+    _tied_wgrad_placeholder_zeroed,
     _weights_gathered_before_save,
 )
 from .te_features import (

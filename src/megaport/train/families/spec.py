@@ -105,6 +105,11 @@ class Family:
                 return example.script_flags(text, quoted_strings=self.drop_unknown_flags), f"{rel} of the tree"
         return list(self.fallback), self.fallback_source
 
+    def fusions_off_for(self, tree: str) -> list:
+        """(flags, why) of :attr:`fusions_off` that ``tree``'s parser has and whose rule, if any, holds there."""
+        return [(added, why) for added, why, *rule in self.fusions_off
+                if example.parser_has(tree, added[0]) and all(holds(tree) for holds in rule)]
+
     def environment_for(self, tree: str) -> dict:
         """:attr:`environment` where the tree asks for it, else nothing: {name: (value, why)}."""
         return dict(self.environment) if self.environment and self.environment_needed(tree) else {}
