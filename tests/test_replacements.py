@@ -1235,6 +1235,44 @@ def test_rope_fusion_is_switched_off_before_upstreams_checks(rp, tiny_megatron, 
     assert "RoPE runs unfused" in capsys.readouterr().out
 
 
+#: upstream 104f7dcd3d … 6b35ca80e8 (2024-08-05 … 09-18), BertModel's mask check in its shape
+BERT_MODEL_TE_VERSION_WINDOW = """from importlib.metadata import version
+
+bert_layer_with_transformer_engine_spec = bert_layer_local_spec = object()
+
+
+def get_te_version():
+    return version("transformer-engine")
+
+
+class BertModel:
+    def __init__(self, transformer_layer_spec):
+        self.attn_mask_dimensions = self._sanity_check_attention_and_get_attn_mask_dimension(transformer_layer_spec)
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self, transformer_layer_spec):
+        attn_mask_dimensions = "b1ss"
+        if transformer_layer_spec == bert_layer_with_transformer_engine_spec:
+            if get_te_version() >= "1.7.0":
+                attn_mask_dimensions = "b11s"
+        return attn_mask_dimensions
+"""
+
+
+def test_bert_built_from_the_te_spec_without_te_takes_the_local_layers_mask(rp, tiny_megatron, monkeypatch):
+    """Without TE the TE spec builds local layers; the window's BertModel asked TE's version for it."""
+    import importlib.metadata
+
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)
+    files = {"megatron/core/models/bert/bert_model.py": BERT_MODEL_TE_VERSION_WINDOW}
+    tiny_megatron(files)
+    bert = importlib.import_module("megatron.core.models.bert.bert_model")
+    assert bert.BertModel(bert.bert_layer_with_transformer_engine_spec).attn_mask_dimensions == "b1ss"
+    unported = {}
+    exec(compile(BERT_MODEL_TE_VERSION_WINDOW, "bert_model.py", "exec"), unported)
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        unported["BertModel"](unported["bert_layer_with_transformer_engine_spec"])
+
+
 def test_a_module_takes_every_after_import_step_of_both_tables_in_order(rp, tmp_path, monkeypatch):
     """One module may need a step whatever is installed and more without TransformerEngine (the
     local DotProductAttention: SDPA routing, and MLA's channels): all of them run, in order."""

@@ -127,6 +127,14 @@ def _t5_masks_for_local_layers(module) -> None:
     cls.config_attention_mask = staticmethod(config_attention_mask)
 
 
+def _bert_masks_for_local_layers(module) -> None:
+    """From 104f7dcd3d (2024-08-05) to 6b35ca80e8 (2024-09-18) BertModel asked TE's version for its
+    TE spec, unguarded (``PackageNotFoundError``). Without TE that spec builds local layers: [b, 1, s, s]."""
+    cls = getattr(module, "BertModel", None)
+    if getattr(cls, "_sanity_check_attention_and_get_attn_mask_dimension", None) is not None:
+        cls._sanity_check_attention_and_get_attn_mask_dimension = lambda self, *args, **kwargs: "b1ss"
+
+
 def _te_layer_names_declared(module) -> None:
     """Before a spec module runs: TE layer names it uses at module level exist (as stand-ins that
     raise if built), so its TE spec is defined and then served with the local one."""
