@@ -1235,7 +1235,7 @@ def test_rope_fusion_is_switched_off_before_upstreams_checks(rp, tiny_megatron, 
     assert "RoPE runs unfused" in capsys.readouterr().out
 
 
-#: upstream 104f7dcd3d … 6b35ca80e8 (2024-08-05 … 09-18), BertModel's mask check in its shape
+#: upstream 104f7dcd3d … 6b35ca80e8 (2024-08-05 … 09-18), BertModel's mask check in its shape (and spelling)
 BERT_MODEL_TE_VERSION_WINDOW = """from importlib.metadata import version
 
 bert_layer_with_transformer_engine_spec = bert_layer_local_spec = object()
@@ -1247,9 +1247,9 @@ def get_te_version():
 
 class BertModel:
     def __init__(self, transformer_layer_spec):
-        self.attn_mask_dimensions = self._sanity_check_attention_and_get_attn_mask_dimension(transformer_layer_spec)
+        self.attn_mask_dimensions = self._santiy_check_attention_and_get_attn_mask_dimension(transformer_layer_spec)
 
-    def _sanity_check_attention_and_get_attn_mask_dimension(self, transformer_layer_spec):
+    def _santiy_check_attention_and_get_attn_mask_dimension(self, transformer_layer_spec):
         attn_mask_dimensions = "b1ss"
         if transformer_layer_spec == bert_layer_with_transformer_engine_spec:
             if get_te_version() >= "1.7.0":

@@ -129,10 +129,11 @@ def _t5_masks_for_local_layers(module) -> None:
 
 def _bert_masks_for_local_layers(module) -> None:
     """From 104f7dcd3d (2024-08-05) to 6b35ca80e8 (2024-09-18) BertModel asked TE's version for its
-    TE spec, unguarded (``PackageNotFoundError``). Without TE that spec builds local layers: [b, 1, s, s]."""
+    TE spec, unguarded (``PackageNotFoundError``). Without TE that spec builds local layers: [b, 1, s, s].
+    (The method kept upstream's spelling "santiy" until core 0.10, whose check asks for no version.)"""
     cls = getattr(module, "BertModel", None)
-    if getattr(cls, "_sanity_check_attention_and_get_attn_mask_dimension", None) is not None:
-        cls._sanity_check_attention_and_get_attn_mask_dimension = lambda self, *args, **kwargs: "b1ss"
+    if getattr(cls, "_santiy_check_attention_and_get_attn_mask_dimension", None) is not None:
+        cls._santiy_check_attention_and_get_attn_mask_dimension = lambda self, *args, **kwargs: "b1ss"
 
 
 def _te_layer_names_declared(module) -> None:
