@@ -140,6 +140,15 @@ def test_fusions_off_flags_are_those_the_eras_parser_has(tmp_path):
                                                          "--transformer-impl", "local"]
 
 
+def test_v2_0s_parser_turns_its_softmax_fusion_off_by_its_own_name(tmp_path):
+    """v2.0 (2021-01-12) named the flag --no-scaled-masked-softmax-fusion: without it the unported
+    run asked for the CUDA softmax kernel it has not built (ModuleNotFoundError)."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron/arguments.py").write_text(
+        "group.add_argument('--no-scaled-masked-softmax-fusion', action='store_false')\n")
+    assert example.fusions_off_flags(str(tmp_path)) == ["--no-scaled-masked-softmax-fusion"]
+
+
 def test_the_unported_side_keeps_upstreams_bias_gelu_fusion(tmp_path):
     """Upstream's fused bias-GeLU is its own torch.jit code (a ROCm user keeps it) and the tanh
     approximation of GELU; its unfused path is the exact GELU. Turned off on the unported side

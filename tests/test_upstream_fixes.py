@@ -571,3 +571,38 @@ def test_tied_weights_keep_both_layers_gradients_as_upstreams_fix_does(tmp_path)
     steps._tied_weights_keep_both_gradients(fixed)
     torch.manual_seed(0)
     assert torch.allclose(_tied_model_grad(fixed), whole)
+
+
+#: The shape of upstream v2.0 … 7db9c1e55c (2021-01-12 … 01-25): mpu/layers.py's CPU initialization
+#: calls a rank function mpu had renamed.
+MPU_LAYERS_CPU_INIT = '''
+def get_tensor_model_parallel_rank():
+    return 1
+
+
+def get_tensor_model_parallel_world_size():
+    return 2
+
+
+def _initialize_affine_weight_cpu(rows):
+    rank = get_model_parallel_rank()
+    world_size = get_tensor_model_parallel_world_size()
+    return rows[rank::world_size]
+'''
+
+
+def _mpu_layers(tmp_path):
+    return _upstream_module(tmp_path / "megatron/mpu/layers.py", "megatron.mpu.layers", MPU_LAYERS_CPU_INIT)
+
+
+def test_unfixed_cpu_initialization_names_a_removed_function_and_the_shim_answers_it(tmp_path):
+    module = _mpu_layers(tmp_path)
+    with pytest.raises(NameError, match="get_model_parallel_rank") as raised:
+        module._initialize_affine_weight_cpu([0, 1, 2, 3])
+    assert registry.pick([failure.from_exception(raised.value)], []) == "cpu-init-rank-name"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_cpu_initialization_takes_this_ranks_rows_as_upstreams_fix_does(tmp_path, fix):
+    module = _fixed_by(_mpu_layers(tmp_path), fix, "cpu-init-rank-name", "rank_named")
+    assert module._initialize_affine_weight_cpu([0, 1, 2, 3]) == [1, 3]

@@ -64,7 +64,9 @@ SHORT_RUN_SENTENCES = [*SHORT_RUN[:-1], "1"]
 #: tanh approximation of GELU against F.gelu's erf). With it off on the unported side only, parity
 #: compared two GELUs, not the port: the fork's GPT at TP2×PP2 (mds-2024-09, 6acc370a) was 24 %
 #: apart in grad norm from unported upstream, and 0.7 % with the fusion on both sides.
-FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+#: ``--no-scaled-masked-softmax-fusion`` is the softmax's flag as v2.0 (2021-01-12) named it, until f34cc86b31.
+FUSIONS_OFF_FLAGS = ["--no-masked-softmax-fusion", "--no-scaled-masked-softmax-fusion",
+                     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
                      "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
                      "--no-rope-fusion", "--transformer-impl", "local"]
 #: Where upstream's parser is defined, newest layout first.

@@ -426,3 +426,12 @@ def _tied_weights_keep_both_gradients(module) -> None:
         functools.update_wrapper(marked, method)
         marked.__rocm_port_fixed__ = True
         setattr(cls, method_name, marked)
+
+
+def _cpu_init_names_its_rank(module) -> None:
+    """From v2.0 (be473a5bd2, 2021-01-12) until 7db9c1e55c (2021-01-25) mpu's
+    ``_initialize_affine_weight_cpu`` called ``get_model_parallel_rank``, a name mpu had renamed
+    ``get_tensor_model_parallel_rank``: with ``--use-cpu-initialization`` no parallel linear layer
+    was built (``NameError``). The name is given the function upstream's fix calls."""
+    if "get_model_parallel_rank" not in module.__dict__ and "get_tensor_model_parallel_rank" in module.__dict__:
+        module.get_model_parallel_rank = module.get_tensor_model_parallel_rank
