@@ -555,8 +555,14 @@ def _tied_model_grad(module):
     return weight.main_grad
 
 
-def test_tied_weights_keep_both_layers_gradients_as_upstreams_fix_does(tmp_path):
-    unfixed = _upstream_module(tmp_path / "unfixed.py", "megatron.tied_unfixed", TIED_WEIGHTS)
+#: 23.04's and 23.06's backward: a continuation line indented with tabs, which dedent leaves alone
+TIED_WEIGHTS_TABBED = TIED_WEIGHTS.replace(
+    "torch.empty(weight.main_grad.shape, dtype=input.dtype,", "torch.empty(weight.main_grad.shape,\n\t\t\t\t       dtype=input.dtype,")
+
+
+@pytest.mark.parametrize("source", [TIED_WEIGHTS, TIED_WEIGHTS_TABBED], ids=["spaces", "tabbed-continuation"])
+def test_tied_weights_keep_both_layers_gradients_as_upstreams_fix_does(tmp_path, source):
+    unfixed = _upstream_module(tmp_path / "unfixed.py", "megatron.tied_unfixed", source)
     torch.manual_seed(0)
     lost = _tied_model_grad(unfixed)
     torch.manual_seed(0)
@@ -564,7 +570,7 @@ def test_tied_weights_keep_both_layers_gradients_as_upstreams_fix_does(tmp_path)
     (model.embedding(torch.tensor([1, 2])).matmul(model.embedding.weight.t())).square().sum().backward()
     whole = model.embedding.weight.grad
     assert not torch.allclose(lost, whole)  # the embedding's own gradient was dropped
-    fixed = _upstream_module(tmp_path / "fixed.py", "megatron.tied_fixed", TIED_WEIGHTS)
+    fixed = _upstream_module(tmp_path / "fixed.py", "megatron.tied_fixed", source)
     steps = port_support.load().upstream_fixes
     steps._tied_wgrad_placeholder_zeroed(fixed)
     steps._tied_weights_grad_hook(fixed)

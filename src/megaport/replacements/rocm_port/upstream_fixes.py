@@ -10,7 +10,6 @@ import ast
 import functools
 import inspect
 import math
-import textwrap
 
 import torch
 
@@ -246,6 +245,20 @@ def _chained_optimizers_clip_by_one_norm(module) -> None:
     chained.step = step_clipping_by_one_norm
 
 
+def _parsed_at_its_lines(source: str, first: int) -> ast.Module:
+    """A function's source parsed at its lines in the file; an indented one (a method) inside a
+    stand-in class, as ``textwrap.dedent`` leaves it indented where a continuation line is indented
+    with tabs (core's LinearWithGradAccumulationAndAsyncCommunication.backward in 23.04 and 23.06)."""
+    if not source[:1].isspace():
+        tree = ast.parse(source)
+        ast.increment_lineno(tree, first - 1)
+        return tree
+    enclosing = ast.parse("class _Enclosing:\n" + source).body[0]
+    tree = ast.Module(body=enclosing.body, type_ignores=[])
+    ast.increment_lineno(tree, first - 2)
+    return tree
+
+
 def _recompiled(function, fix, module):
     """``function`` compiled again from its syntax tree as ``fix`` (a NodeTransformer with ``found``)
     changes it, in ``module``'s globals, under its own file and lines; None where ``fix`` finds nothing,
@@ -256,11 +269,10 @@ def _recompiled(function, fix, module):
         lines, first = inspect.getsourcelines(function)
     except (OSError, TypeError):
         return None
-    tree = fix.visit(ast.parse(textwrap.dedent("".join(lines))))
+    tree = fix.visit(_parsed_at_its_lines("".join(lines), first))
     if not fix.found:
         return None
     ast.fix_missing_locations(tree)
-    ast.increment_lineno(tree, first - 1)
     made: dict = {}
     exec(compile(tree, inspect.getsourcefile(function), "exec"), vars(module), made)  # upstream's own code
     fixed = made[function.__name__]
