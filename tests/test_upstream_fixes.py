@@ -612,3 +612,44 @@ def test_unfixed_cpu_initialization_names_a_removed_function_and_the_shim_answer
 def test_cpu_initialization_takes_this_ranks_rows_as_upstreams_fix_does(tmp_path, fix):
     module = _fixed_by(_mpu_layers(tmp_path), fix, "cpu-init-rank-name", "rank_named")
     assert module._initialize_affine_weight_cpu([0, 1, 2, 3]) == [1, 3]
+
+
+#: The shape of upstream 42c4071581 … 1a26b2910d (2022-11-02 … 11-08): the legacy model's layer count
+#: calls pipeline functions it no longer imports.
+LEGACY_LAYER_COUNT = '''
+class mpu:
+    @staticmethod
+    def get_pipeline_model_parallel_world_size():
+        return 2
+
+    @staticmethod
+    def get_pipeline_model_parallel_rank():
+        return 0
+
+    @staticmethod
+    def is_pipeline_stage_before_split():
+        return True
+
+
+def _get_num_layers(num_layers):
+    if get_pipeline_model_parallel_world_size() > 1:
+        return num_layers // 2 if is_pipeline_stage_before_split() else get_pipeline_model_parallel_rank()
+    return num_layers
+'''
+
+
+def _legacy_transformer(tmp_path):
+    return _upstream_module(tmp_path / "megatron/model/transformer.py", "megatron.model.transformer", LEGACY_LAYER_COUNT)
+
+
+def test_unfixed_the_legacy_layer_count_names_functions_it_lost_and_the_shim_answers_it(tmp_path):
+    module = _legacy_transformer(tmp_path)
+    with pytest.raises(NameError, match="get_pipeline_model_parallel_world_size") as raised:
+        module._get_num_layers(4)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "layer-count-mpu"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_the_legacy_layer_count_asks_mpu_as_upstreams_fix_does(tmp_path, fix):
+    module = _fixed_by(_legacy_transformer(tmp_path), fix, "layer-count-mpu", "names_from_mpu")
+    assert module._get_num_layers(4) == 2

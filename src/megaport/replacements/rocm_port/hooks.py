@@ -46,6 +46,7 @@ from .te_absent import (
 from .upstream_fixes import (
     _chained_optimizers_clip_by_one_norm,
     _cpu_init_names_its_rank,
+    _layer_count_asks_mpu,
     _local_moe_spec_takes_use_te,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
@@ -109,6 +110,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.models.common.language_module.language_module": _tied_weights_keep_both_gradients,
     "megatron.model.module": _tied_weights_keep_both_gradients,
     "megatron.mpu.layers": _cpu_init_names_its_rank,
+    "megatron.model.transformer": _layer_count_asks_mpu,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

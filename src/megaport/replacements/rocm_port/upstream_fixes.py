@@ -447,3 +447,15 @@ def _cpu_init_names_its_rank(module) -> None:
     was built (``NameError``). The name is given the function upstream's fix calls."""
     if "get_model_parallel_rank" not in module.__dict__ and "get_tensor_model_parallel_rank" in module.__dict__:
         module.get_model_parallel_rank = module.get_tensor_model_parallel_rank
+
+
+def _layer_count_asks_mpu(module) -> None:
+    """From 42c4071581 (2022-11-02, megatron/core's first commit) until 1a26b2910d (2022-11-08) the
+    legacy model's ``_get_num_layers`` called three pipeline functions by names the move to
+    ``megatron.core.mpu`` had left undefined: no model was built (``NameError``). They are given
+    mpu's, which upstream's fix calls."""
+    mpu = module.__dict__.get("mpu")
+    for name in ("get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank",
+                 "is_pipeline_stage_before_split"):
+        if mpu is not None and name not in module.__dict__ and hasattr(mpu, name):
+            setattr(module, name, getattr(mpu, name))
