@@ -653,3 +653,11 @@ def test_unfixed_the_legacy_layer_count_names_functions_it_lost_and_the_shim_ans
 def test_the_legacy_layer_count_asks_mpu_as_upstreams_fix_does(tmp_path, fix):
     module = _fixed_by(_legacy_transformer(tmp_path), fix, "layer-count-mpu", "names_from_mpu")
     assert module._get_num_layers(4) == 2
+
+
+def test_outside_the_windows_a_module_calling_through_mpu_is_left_alone(tmp_path):
+    """After 1a26b2910d the layer count calls ``mpu.`` functions: no bare name to give, nothing bound."""
+    fixed = LEGACY_LAYER_COUNT.replace("if get_pipeline", "if mpu.get_pipeline").replace(
+        "if is_pipeline", "if mpu.is_pipeline").replace("else get_pipeline", "else mpu.get_pipeline")
+    module = _ported(_upstream_module(tmp_path / "megatron/model/transformer.py", "megatron.model.transformer", fixed))
+    assert not hasattr(module, "get_pipeline_model_parallel_world_size") and module._get_num_layers(4) == 2

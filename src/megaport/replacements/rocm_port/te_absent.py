@@ -132,8 +132,15 @@ def _bert_masks_for_local_layers(module) -> None:
     TE spec, unguarded (``PackageNotFoundError``). Without TE that spec builds local layers: [b, 1, s, s].
     (The method kept upstream's spelling "santiy" until core 0.10, whose check asks for no version.)"""
     cls = getattr(module, "BertModel", None)
-    if getattr(cls, "_santiy_check_attention_and_get_attn_mask_dimension", None) is not None:
-        cls._santiy_check_attention_and_get_attn_mask_dimension = lambda self, *args, **kwargs: "b1ss"
+    if getattr(cls, "_santiy_check_attention_and_get_attn_mask_dimension", None) is None:
+        return
+
+    def local_layers_mask(self, *args, **kwargs):
+        say_once("TransformerEngine is not installed: BERT's TE spec builds local layers, whose attention mask is "
+                 "[b, 1, s, s] (TE's version is not asked)")
+        return "b1ss"
+
+    cls._santiy_check_attention_and_get_attn_mask_dimension = local_layers_mask
 
 
 def _te_layer_names_declared(module) -> None:

@@ -440,13 +440,36 @@ def _tied_weights_keep_both_gradients(module) -> None:
         setattr(cls, method_name, marked)
 
 
+def _names_called_bare(module) -> set:
+    """The names ``module``'s code calls unqualified (``f()``, not ``mpu.f()``); none where its source is not on disk."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+
+
+def _bound_where_undefined(module, functions: dict, said: str) -> None:
+    """Each name of ``functions`` that ``module`` calls unqualified but no longer defines, bound to its
+    function (None: none to give), said once: the windows where upstream renamed or moved what it
+    still called. Outside them the module calls none of these names bare, and nothing changes."""
+    called = _names_called_bare(module)
+    missing = {name: f for name, f in functions.items()
+               if f is not None and name in called and name not in module.__dict__}
+    for name, function in missing.items():
+        setattr(module, name, function)
+    if missing:
+        say_once(said)
+
+
 def _cpu_init_names_its_rank(module) -> None:
     """From v2.0 (be473a5bd2, 2021-01-12) until 7db9c1e55c (2021-01-25) mpu's
     ``_initialize_affine_weight_cpu`` called ``get_model_parallel_rank``, a name mpu had renamed
     ``get_tensor_model_parallel_rank``: with ``--use-cpu-initialization`` no parallel linear layer
     was built (``NameError``). The name is given the function upstream's fix calls."""
-    if "get_model_parallel_rank" not in module.__dict__ and "get_tensor_model_parallel_rank" in module.__dict__:
-        module.get_model_parallel_rank = module.get_tensor_model_parallel_rank
+    _bound_where_undefined(module, {"get_model_parallel_rank": module.__dict__.get("get_tensor_model_parallel_rank")},
+                           "mpu's CPU weight initialization asks get_tensor_model_parallel_rank for the rank, as "
+                           "upstream's 7db9c1e55c (it called the renamed get_model_parallel_rank)")
 
 
 def _layer_count_asks_mpu(module) -> None:
@@ -455,7 +478,6 @@ def _layer_count_asks_mpu(module) -> None:
     ``megatron.core.mpu`` had left undefined: no model was built (``NameError``). They are given
     mpu's, which upstream's fix calls."""
     mpu = module.__dict__.get("mpu")
-    for name in ("get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank",
-                 "is_pipeline_stage_before_split"):
-        if mpu is not None and name not in module.__dict__ and hasattr(mpu, name):
-            setattr(module, name, getattr(mpu, name))
+    names = ("get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank", "is_pipeline_stage_before_split")
+    _bound_where_undefined(module, {name: getattr(mpu, name, None) for name in names},
+                           "the legacy model counts its layers with mpu's pipeline functions, as upstream's 1a26b2910d")
