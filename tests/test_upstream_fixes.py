@@ -4,7 +4,9 @@ baseline shim: each checked against real torch.distributed on gloo ranks, with a
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
+import logging
 import os
 import pickle
 import socket
@@ -661,3 +663,56 @@ def test_outside_the_windows_a_module_calling_through_mpu_is_left_alone(tmp_path
         "if is_pipeline", "if mpu.is_pipeline").replace("else get_pipeline", "else mpu.get_pipeline")
     module = _ported(_upstream_module(tmp_path / "megatron/model/transformer.py", "megatron.model.transformer", fixed))
     assert not hasattr(module, "get_pipeline_model_parallel_world_size") and module._get_num_layers(4) == 2
+
+
+#: The shape of upstream 0bc3547702 … 26c3d085b4's save_checkpoint: a rank's files written, then a
+#: debug line naming the rank, which the converter (no process group) could not give.
+CHECKPOINT_SAVE_LOGS_RANK = '''
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def save_checkpoint(iteration, model, optimizer, save_dir):
+    with open(os.path.join(save_dir, f"rank_{iteration}"), "w") as handle:
+        handle.write("weights")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest"), "w") as handle:
+            handle.write(str(iteration))
+    logger.debug(f"rank: {torch.distributed.get_rank()}, takes {1.5} to finalize ckpt save ")
+    return iteration
+'''
+
+
+def _checkpoint_saver(tmp_path, source=CHECKPOINT_SAVE_LOGS_RANK):
+    return _upstream_module(tmp_path / "megatron/training/checkpointing.py", "megatron.training.checkpointing", source)
+
+
+def test_unfixed_a_save_without_a_process_group_stops_after_the_first_rank(tmp_path):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="process group"):
+        _checkpoint_saver(tmp_path).save_checkpoint(0, None, None, str(tmp_path))
+
+
+def test_a_save_without_a_process_group_logs_rank_zero_as_upstreams_fix_does(tmp_path, caplog):
+    """What upstream's converter does: one save per tensor-parallel rank, no process group."""
+    module = _ported(_checkpoint_saver(tmp_path))
+    with caplog.at_level(logging.DEBUG, logger="megatron.training.checkpointing"):
+        assert [module.save_checkpoint(rank, None, None, str(tmp_path)) for rank in (1, 2)] == [1, 2]
+    assert (tmp_path / "rank_1").exists() and (tmp_path / "rank_2").exists()
+    assert "rank: 0, takes 1.5 to finalize" in caplog.text
+    assert getattr(module.save_checkpoint, "__rocm_port_gathered__", False)  # the gather step still wraps it
+
+
+def test_a_save_whose_log_names_a_kept_rank_is_left_alone(tmp_path):
+    """After 26c3d085b4 the line logs ``{rank}``, computed with the guard: nothing to recompile."""
+    fixed = CHECKPOINT_SAVE_LOGS_RANK.replace(
+        '    logger.debug(f"rank: {torch.distributed.get_rank()}',
+        '    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0\n'
+        '    logger.debug(f"rank: {rank}')
+    module = _checkpoint_saver(tmp_path, fixed)
+    upstream = module.save_checkpoint
+    assert inspect.unwrap(_ported(module).save_checkpoint) is upstream

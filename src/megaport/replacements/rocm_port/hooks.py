@@ -50,6 +50,7 @@ from .upstream_fixes import (
     _local_moe_spec_takes_use_te,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
+    _rank_logged_without_a_group,
     _t5_decoder_output_pads_zeroed,
     _tied_weights_grad_hook,
     _tied_weights_keep_both_gradients,
@@ -98,7 +99,7 @@ _AFTER_IMPORT_TARGET_STACK = {
 # Upstream's own bugs in a window of its history, fixed on every machine, ported or not (.upstream_fixes).
 _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.parallel_state": _no_group_of_no_ranks,
-    "megatron.training.checkpointing": _weights_gathered_before_save,
+    "megatron.training.checkpointing": (_rank_logged_without_a_group, _weights_gathered_before_save),
     "megatron.checkpointing": _weights_gathered_before_save,  # its name until 2024-03-26
     "megatron.legacy.model.utils": _norm_without_the_removed_flag,
     "megatron.core.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,

@@ -99,6 +99,40 @@ def _weights_gathered_before_save(module) -> None:
     module.save_checkpoint = save_checkpoint
 
 
+_RANK_IN_LOG = ("save_checkpoint logs rank 0 where no process group is initialized (upstream's converter saves "
+               "without one), as upstream's 26c3d085b4 does; it asked for the rank and stopped after the first")
+
+
+class _RankOfNoGroupIsZero(ast.NodeTransformer):
+    """``torch.distributed.get_rank()`` inside an f-string -> ``(get_rank() if is_initialized() else 0)``:
+    26c3d085b4's change (its other calls are guarded already); ``found`` says whether one was there."""
+
+    found = False
+
+    def visit_JoinedStr(self, node):
+        for call in [n for n in ast.walk(node) if isinstance(n, ast.Call)]:
+            func = call.func
+            if (isinstance(func, ast.Attribute) and func.attr == "get_rank" and not call.args
+                    and ast.unparse(func.value) == "torch.distributed"):
+                self.found = True
+                guarded = ast.parse("torch.distributed.is_initialized()", mode="eval").body
+                for value in node.values:
+                    if isinstance(value, ast.FormattedValue) and value.value is call:
+                        value.value = ast.copy_location(ast.IfExp(test=guarded, body=call, orelse=ast.Constant(0)), call)
+        return node
+
+
+def _rank_logged_without_a_group(module) -> None:
+    """Main 0bc3547702 (2024-07-01) until 26c3d085b4 (2024-07-10): ``save_checkpoint`` logged
+    ``torch.distributed.get_rank()`` unguarded after writing a rank's files, and upstream's own
+    checkpoint converter saves with no process group: it wrote tensor-parallel rank 0 and stopped
+    (``ValueError``; a TP2 conversion of Hugging Face weights loaded nothing, e6-2024-06's range).
+    Upstream's function with 26c3d085b4's guard (:func:`_recompiled`); it runs before the gather step
+    wraps the function. Training always has a process group, so the unported baseline, which
+    converts nothing, needs no shim."""
+    _replaced_by_fix(module, "save_checkpoint", _RankOfNoGroupIsZero(), module, _RANK_IN_LOG)
+
+
 _NORM_FLAG = ("--apply-layernorm-1p left upstream's parser but its legacy model still read it: an argument the parser "
               "no longer has is off, as upstream's 01b361c9cf reads it")
 
