@@ -417,6 +417,18 @@ def test_a_run_of_several_ranks_names_the_first_rank_to_fail_not_its_peers_close
     assert "Connection closed" in log.failure_message(1, "", stderr, 0).splitlines()[0]
 
 
+def test_a_rank_megaports_guard_stopped_is_named_not_its_peers_closed_connection():
+    """Rank 1 found no checkpoint to load and the resume guard stopped it; rank 0 then died of the
+    closed connection (a TP2 conversion that wrote rank 0 alone, main 2024-07-01 … 07-10)."""
+    from megaport.train import log
+
+    stdout = ("> megaport: error: the run was given --load /c and asked to train to iteration 1, but no optimizer "
+              "step ran on this rank (the checkpoint did not load, or the run stopped before training)\n")
+    stderr = "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:11429\n"
+    first = log.failure_message(1, stdout, stderr, 0).splitlines()[0]
+    assert "no optimizer step ran on this rank" in first and "Connection closed" not in first
+
+
 def test_a_run_whose_rendezvous_port_was_taken_in_between_runs_once_more(monkeypatch):
     """A port free when chosen can be bound by another run before torchrun binds it (a cross-load row
     of e3-2023-07 died of EADDRINUSE while two verifies shared the machine): tried once more; any

@@ -13,6 +13,9 @@ _SKIPPED = re.compile(r"number of skipped iterations:\s*(\d+)")
 PORT_LINE = "> ROCm port:"
 # The exception a rank died of, as its traceback's last line says it (torchrun prefixes "[rankN]: ").
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b.*)$", re.M)
+#: what megaport's own guards say before they stop a rank (resume_guard): the cause, where the
+#: log's last error is a peer's closed connection
+_GUARD = re.compile(r"^> megaport: error: (.*)$", re.M)
 
 
 @dataclass
@@ -60,7 +63,9 @@ def failure_message(returncode: int, stdout: str, stderr: str, logged: int, line
     tail = "\n".join((stdout.rstrip() + "\n" + own.rstrip()).strip().splitlines()[-lines:])
     status = f"exit code {code.group(1)}" if code else f"exit code {returncode}"
     errors = [m.group(1) for m in _ERROR.finditer(stdout + "\n" + own)]
-    reason = f" {str(first_failure)[:300]}" if first_failure else f" {errors[-1][:300]}" if errors else ""
+    guarded = [m.group(1) for m in _GUARD.finditer(stdout + "\n" + own)]
+    cause = first_failure or (guarded[0] if guarded else errors[-1] if errors else "")
+    reason = f" {str(cause)[:300]}" if cause else ""
     return f"{entry_point} failed ({status}) after {logged} logged iterations:{reason}\n{tail}"
 
 
