@@ -280,6 +280,24 @@ def test_git_am_applies_a_builtin_series_without_megaport(tmp_path):
             assert out.returncode == 0 and b"Subject: " in out.stdout, patch.name
 
 
+def test_fallback_prefers_the_series_that_lands_more_patches_over_fewer_offsets():
+    """Main's 0.13.0rc0 commits of 2025-04: core-0.10-0.12 and core-0.12 both land, core-0.12 with its
+    converter patches too but more offsets; the fewer offsets won and the tree lost those patches."""
+    from types import SimpleNamespace
+
+    from megaport.selection import _fit_cost
+
+    def plan(name, statuses, offsets, fuzz=0):
+        return SimpleNamespace(name=name, patches=[SimpleNamespace(status=s) for s in statuses],
+                               hunk_counts={"offset": offsets, "fuzz": fuzz})
+
+    fewer = plan("core-0.10-0.12", ["applied"] * 7, offsets=3)
+    more = plan("core-0.12", ["applied"] * 10, offsets=9)
+    assert min([fewer, more], key=_fit_cost).name == "core-0.12"
+    assert min([fewer, plan("fuzzy", ["applied"] * 10, offsets=0, fuzz=1)], key=_fit_cost).name == "core-0.10-0.12"
+    assert min([fewer, plan("skips", ["applied"] * 9 + ["skipped"], offsets=0)], key=_fit_cost).name == "core-0.10-0.12"
+
+
 def test_fallback_never_half_ports_a_full_tree(tmp_path):
     """A series that fits only by skipping patches is from another era, unless the tree is core-only."""
     files = dict(BASE, **{"megatron/training/arguments.py": "x = 1\n"})
