@@ -13,11 +13,14 @@ import pytest
 from megaport.train import hf_in, hf_models
 
 
-def _tree(tmp_path, *files: str) -> str:
+def _tree(tmp_path, *files: str, parser: str = "group.add_argument('--rotary-base', type=int)\n") -> str:
     for name in files:
         path = tmp_path / "tools" / "checkpoint" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
+    arguments = tmp_path / "megatron" / "training" / "arguments.py"
+    arguments.parent.mkdir(parents=True, exist_ok=True)
+    arguments.write_text(parser)
     return str(tmp_path)
 
 
@@ -26,6 +29,14 @@ def test_a_tree_without_the_loader_says_where_its_weights_come_in_instead(tmp_pa
     why = hf_in.absent(tree, "llama")
     assert "loader_llama_mistral.py" in why and "Megatron-Bridge" in why
     assert hf_in.absent(_tree(tmp_path, "loader_llama_mistral.py"), "llama") is None
+
+
+def test_a_tree_whose_parser_cannot_set_ropes_base_lists_the_row_not_fails_it(tmp_path):
+    """main 2024-06-04 … 06-27: the Llama 3 loader came before the parser had --rotary-base
+    (3da17a326f), so the converted model ran RoPE at base 10000, 2.9 % off transformers' loss."""
+    tree = _tree(tmp_path, "loader_llama_mistral.py", parser="group.add_argument('--rotary-percent')\n")
+    why = hf_in.absent(tree, "llama")
+    assert "--rotary-base" in why and "parser" in why
 
 
 def test_a_tree_older_than_the_loader_is_not_told_of_its_removal(tmp_path):

@@ -30,7 +30,7 @@ import re
 import subprocess
 import sys
 
-from megaport.train import data, log, pretrain, torchrun
+from megaport.train import data, example, log, pretrain, torchrun
 
 #: relative difference allowed between Megatron's loss and transformers': fp32 on both sides, the
 #: same weights; what is left is the order of floating-point sums (measured 0 on core 0.17, Llama)
@@ -66,6 +66,9 @@ class Source:
     layouts: tuple = ((1, 1), (2, 1))
     #: why the row departs from the docs where it does, for the report and the reader
     departures: str = ""
+    #: launch flags without which the converted model computes another function (its RoPE base):
+    #: an era whose parser lacks one cannot bring the weights in, whatever the port does
+    needs: tuple = ("--rotary-base",)
 
 
 SOURCES = {s.family: s for s in (
@@ -128,6 +131,11 @@ def absent(tree: str, family: str) -> str | None:
         removed = source.elsewhere and os.path.exists(os.path.join(tree, source.removed_beside))
         return f"the tree has no tools/checkpoint/{source.loader}.py" + (f": {source.elsewhere}" if removed else
                                                                         " (this era's converter has none)")
+    missing = [flag for flag in source.needs if not example.parser_has(tree, flag)]
+    if missing:
+        # main 2024-06-04 … 06-27: the Llama 3 converter came before the parser had --rotary-base
+        # (3da17a326f), so the model ran RoPE at base 10000 (2.9 % off transformers' loss)
+        return f"the era's parser has no {', '.join(missing)}, which the {family} model needs (its RoPE base)"
     return None
 
 
