@@ -108,18 +108,22 @@ class _RankOfNoGroupIsZero(ast.NodeTransformer):
     26c3d085b4's change (its other calls are guarded already); ``found`` says whether one was there."""
 
     found = False
+    _in_fstring = 0
 
     def visit_JoinedStr(self, node):
-        for call in [n for n in ast.walk(node) if isinstance(n, ast.Call)]:
-            func = call.func
-            if (isinstance(func, ast.Attribute) and func.attr == "get_rank" and not call.args
-                    and ast.unparse(func.value) == "torch.distributed"):
-                self.found = True
-                guarded = ast.parse("torch.distributed.is_initialized()", mode="eval").body
-                for value in node.values:
-                    if isinstance(value, ast.FormattedValue) and value.value is call:
-                        value.value = ast.copy_location(ast.IfExp(test=guarded, body=call, orelse=ast.Constant(0)), call)
+        self._in_fstring += 1
+        self.generic_visit(node)
+        self._in_fstring -= 1
         return node
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if not (self._in_fstring and not node.args and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get_rank" and ast.unparse(node.func.value) == "torch.distributed"):
+            return node
+        self.found = True
+        initialized = ast.parse("torch.distributed.is_initialized()", mode="eval").body
+        return ast.copy_location(ast.IfExp(test=initialized, body=node, orelse=ast.Constant(0)), node)
 
 
 def _rank_logged_without_a_group(module) -> None:
