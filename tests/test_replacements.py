@@ -961,6 +961,44 @@ def test_te_spec_builds_the_local_spec_without_transformer_engine(rp, monkeypatc
     assert spec(4) == ("te", 4, False)
 
 
+def _legacy_transformer_module(impl):
+    """Upstream's legacy transformer module of main 2024-04-03 … 06-07, as far as the step reads it:
+    ParallelTransformer reads the run's --transformer-impl and imports TE for TE's layers."""
+    import types
+
+    run_args = types.SimpleNamespace(transformer_impl=impl)
+
+    class ParallelTransformer:
+        def __init__(self, config):
+            self.transformer_impl = run_args.transformer_impl
+            if self.transformer_impl == "transformer_engine":
+                import transformer_engine  # noqa: F401  (not installed here)
+
+    return types.SimpleNamespace(ParallelTransformer=ParallelTransformer, get_args=lambda: run_args), run_args
+
+
+def test_legacy_transformer_builds_local_layers_without_transformer_engine(rp, monkeypatch, capsys):
+    monkeypatch.setattr(rp.te_absent, "_transformer_engine_installed", lambda: False)
+    unported, _ = _legacy_transformer_module("transformer_engine")
+    with pytest.raises(ModuleNotFoundError, match="transformer_engine"):
+        unported.ParallelTransformer(None)
+    module, run_args = _legacy_transformer_module("transformer_engine")
+    for step in rp.after_import_steps("megatron.legacy.model.transformer"):
+        step(module)
+    rp.say._SAID.clear()
+    assert module.ParallelTransformer(None).transformer_impl == "local" == run_args.transformer_impl
+    module.ParallelTransformer(None)
+    out = capsys.readouterr().out
+    assert out.count("> ROCm port: TransformerEngine is not installed: the legacy model's") == 1, out
+    # the older module name has it too; a run that asked for local layers hears nothing
+    local, _ = _legacy_transformer_module("local")
+    for step in rp.after_import_steps("megatron.model.transformer"):
+        step(local)
+    rp.say._SAID.clear()
+    assert local.ParallelTransformer(None).transformer_impl == "local"
+    assert "legacy model's" not in capsys.readouterr().out
+
+
 def test_te_layers_stand_in_serves_only_unguarded_eras(rp, tmp_path):
     assert rp.TRANSFORMER_ENGINE_IMPORTS_GUARDED is True
     assert not any(isinstance(f, rp.te_absent._TransformerEngineLayersStandIn) for f in sys.meta_path)

@@ -37,6 +37,7 @@ from .te_absent import (
     _GPT_SPECS_MODULE,
     _TransformerEngineLayersStandIn,
     _bert_masks_for_local_layers,
+    _legacy_transformer_builds_local_layers,
     _port_multi_tensor_helpers,
     _rope_fusion_off_before_checks,
     _serve_te_layer_specs,
@@ -157,6 +158,8 @@ _AFTER_IMPORT_WITHOUT_TE = {
     "megatron.core.models.T5.t5_spec": (_te_norm_is_the_port_norm, _serve_te_layer_specs),
     "megatron.core.datasets.t5_dataset": _t5_masks_for_local_layers,
     "megatron.core.models.bert.bert_model": _bert_masks_for_local_layers,
+    "megatron.legacy.model.transformer": _legacy_transformer_builds_local_layers,
+    "megatron.model.transformer": _legacy_transformer_builds_local_layers,  # its name until 2024-03-26
     "megatron.core.models.backends": (_te_norm_is_the_port_norm, _say_grouped_gemm_runs_sequential,
                                        _te_backend_is_local),
     "megatron.core.transformer.multi_latent_attention": (_te_norm_is_the_port_norm, _mla_has_no_te,

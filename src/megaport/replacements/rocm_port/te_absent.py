@@ -143,6 +143,33 @@ def _bert_masks_for_local_layers(module) -> None:
     cls._santiy_check_attention_and_get_attn_mask_dimension = local_layers_mask
 
 
+def _legacy_transformer_builds_local_layers(module) -> None:
+    """Upstream's default ``--transformer-impl`` became ``transformer_engine`` on 2024-04-03
+    (afa331868f), while ``pretrain_gpt.py`` still built the legacy model unless told
+    ``--use-mcore-models`` (until 53f901c662, 2024-06-07); the legacy ``ParallelTransformer`` then
+    imports TE to build TE's TransformerLayer (``ModuleNotFoundError``): the docs' Llama flags of main
+    2024-06-04 … 06-07 (docs/llama_mistral.md has no ``--use-mcore-models``) trained nothing without
+    TE. Without TE the legacy transformer builds its local layers, the same model, said once; the
+    run's arguments say ``local`` from then on, so nothing later asks for TE's layers either."""
+    cls = getattr(module, "ParallelTransformer", None)
+    init = cls.__dict__.get("__init__") if cls is not None else None
+    if init is None or getattr(init, "_rocm_port_local", False) or not hasattr(module, "get_args"):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        run_args = module.get_args()
+        if getattr(run_args, "transformer_impl", "local") == "transformer_engine":
+            run_args.transformer_impl = "local"
+            say_once("TransformerEngine is not installed: the legacy model's --transformer-impl transformer_engine "
+                     "(upstream's default from 2024-04-03) builds Megatron's local PyTorch layers instead (the same "
+                     "model)")
+        init(self, *args, **kwargs)
+
+    __init__._rocm_port_local = True
+    cls.__init__ = __init__
+
+
 def _te_layer_names_declared(module) -> None:
     """Before a spec module runs: TE layer names it uses at module level exist (as stand-ins that
     raise if built), so its TE spec is defined and then served with the local one."""
