@@ -716,3 +716,145 @@ def test_a_save_whose_log_names_a_kept_rank_is_left_alone(tmp_path):
     module = _checkpoint_saver(tmp_path, fixed)
     upstream = module.save_checkpoint
     assert inspect.unwrap(_ported(module).save_checkpoint) is upstream
+
+
+# -- arguments validated twice (main ca87dcd697 … 4d4621ba08, 2024-12-19 … 2025-01-31) ---------------
+
+#: the window's validate_args, as far as the optimizer's dtype flags go
+VALIDATE_ARGS = '''
+import torch
+
+
+def validate_args(args, defaults={}):
+    dtype_map = {
+        'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp8': torch.uint8,
+    }
+    args.main_grads_dtype = dtype_map[args.main_grads_dtype]
+    args.exp_avg_dtype = dtype_map[args.exp_avg_dtype]
+    return args
+'''
+#: upstream's 4d4621ba08: a dtype already mapped stays
+VALIDATE_ARGS_FIXED = VALIDATE_ARGS.replace("    args.main_grads_dtype = dtype_map[args.main_grads_dtype]\n", (
+    "    map_dtype = lambda d: d if isinstance(d, torch.dtype) else dtype_map[d]\n"
+    "    args.main_grads_dtype = map_dtype(args.main_grads_dtype)\n")).replace(
+    "dtype_map[args.exp_avg_dtype]", "map_dtype(args.exp_avg_dtype)")
+
+
+def _arguments(tmp_path, source=VALIDATE_ARGS):
+    return _upstream_module(tmp_path / "megatron/training/arguments.py", "megatron.training.arguments", source)
+
+
+def _run_args():
+    import types
+
+    return types.SimpleNamespace(main_grads_dtype="fp32", exp_avg_dtype="bf16", fp8=None)
+
+
+def test_unfixed_arguments_validated_once_fail_the_second_validation_as_the_converter_met_it(tmp_path):
+    module = _arguments(tmp_path)
+    args = module.validate_args(_run_args())  # the loader's validation
+    with pytest.raises(KeyError, match="torch.float32"):
+        module.validate_args(args)  # the saver's, of the loader's arguments
+
+
+def test_arguments_validate_twice_as_upstreams_fix_has_it(tmp_path):
+    module = _ported(_arguments(tmp_path))
+    args = module.validate_args(module.validate_args(_run_args()))
+    assert (args.main_grads_dtype, args.exp_avg_dtype) == (torch.float32, torch.bfloat16)
+    with pytest.raises(KeyError, match="fp64"):  # a name the map lacks is still refused
+        module.validate_args(_run_args().__class__(main_grads_dtype="fp64", exp_avg_dtype="fp32", fp8=None))
+
+
+def test_where_upstream_maps_each_dtype_once_the_port_leaves_validate_args_alone(tmp_path):
+    module = _ported(_arguments(tmp_path, VALIDATE_ARGS_FIXED))
+    assert not getattr(module.validate_args, "__rocm_port_fixed__", False)
+    args = module.validate_args(module.validate_args(_run_args()))
+    assert args.main_grads_dtype is torch.float32
+
+
+# -- language_module's unguarded TE import (main eaf9408232 … 028729b9bc, 2025-03-08 … 03-15) ----------
+
+#: the window's module, as far as its imports go: the extension module imports TE first thing
+LANGUAGE_MODULE = '''
+import torch
+
+from megatron.core.extensions.transformer_engine import te_parallel_cross_entropy
+
+
+def cross_entropy(logits, labels):
+    if te_parallel_cross_entropy is not None:
+        return te_parallel_cross_entropy(logits, labels)
+    return torch.nn.functional.cross_entropy(logits, labels)
+'''
+LANGUAGE_MODULE_NAME = "megatron.core.models.common.language_module.language_module"
+
+
+def _language_module_tree(tmp_path, source=LANGUAGE_MODULE):
+    """A tree with the window's language module and an extension module that imports TE unguarded."""
+    (tmp_path / "megatron/core/extensions").mkdir(parents=True)
+    (tmp_path / "megatron/core/extensions/transformer_engine.py").write_text(
+        "import transformer_engine as te  # noqa: F401\n\ndef te_parallel_cross_entropy(*args):\n    raise RuntimeError\n")
+    path = tmp_path / "megatron/core/models/common/language_module/language_module.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    return path
+
+
+def _load_language_module(tmp_path, monkeypatch, run):
+    """The tree's language module loaded as upstream's (its package from the tree) and run by ``run``."""
+    import sys
+    import types
+
+    for name in ("megatron", "megatron.core", "megatron.core.extensions", "megatron.core.extensions.transformer_engine"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "megatron/core/models/common/language_module/language_module.py"
+    module = types.ModuleType(LANGUAGE_MODULE_NAME)
+    module.__file__ = str(path)
+    run(module, path.read_text(), str(path))
+    return module
+
+
+def _as_it_is(module, source, filename):
+    exec(compile(source, filename, "exec"), module.__dict__)
+
+
+def _by_the_port(module, source, filename):
+    code = port_support.load().upstream_fixes._fixed_module_code(LANGUAGE_MODULE_NAME, source, filename)
+    assert code is not None
+    exec(code, module.__dict__)
+
+
+def _by_the_shim(module, source, filename):
+    shim = registry.REGISTRY["te-cross-entropy-import"]
+    exec(compile(shim.guarded_import(source), filename, "exec"), module.__dict__)
+
+
+def test_unfixed_the_language_module_needs_te_and_the_shim_answers_that_failure(tmp_path, monkeypatch):
+    _language_module_tree(tmp_path)
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed here: the window's import succeeds")
+    with pytest.raises(ModuleNotFoundError, match="transformer_engine") as raised:
+        _load_language_module(tmp_path, monkeypatch, _as_it_is)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "te-cross-entropy-import"
+    assert registry.applies("te-cross-entropy-import", str(tmp_path)) is True
+
+
+@pytest.mark.parametrize("run", [_by_the_port, _by_the_shim], ids=["port", "shim"])
+def test_the_language_module_imports_without_te_as_upstreams_fix_does(tmp_path, monkeypatch, run):
+    _language_module_tree(tmp_path)
+    module = _load_language_module(tmp_path, monkeypatch, run)
+    logits, labels = torch.randn(3, 5), torch.tensor([0, 4, 2])
+    assert module.te_parallel_cross_entropy is None
+    assert torch.equal(module.cross_entropy(logits, labels), torch.nn.functional.cross_entropy(logits, labels))
+
+
+def test_where_the_import_is_guarded_the_port_and_the_shim_leave_the_module_alone(tmp_path):
+    fixed = LANGUAGE_MODULE.replace(
+        "from megatron.core.extensions.transformer_engine import te_parallel_cross_entropy\n",
+        "try:\n    from megatron.core.extensions.transformer_engine import te_parallel_cross_entropy\n"
+        "except:\n    te_parallel_cross_entropy = None\n")
+    _language_module_tree(tmp_path, fixed)
+    assert port_support.load().upstream_fixes._fixed_module_code(LANGUAGE_MODULE_NAME, fixed, "x.py") is None
+    assert registry.REGISTRY["te-cross-entropy-import"].guarded_import(fixed) == fixed
+    assert registry.applies("te-cross-entropy-import", str(tmp_path)) is False

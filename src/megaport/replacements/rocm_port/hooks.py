@@ -45,6 +45,7 @@ from .te_absent import (
     _te_layer_names_declared,
 )
 from .upstream_fixes import (
+    _arguments_validate_twice,
     _chained_optimizers_clip_by_one_norm,
     _cpu_init_names_its_rank,
     _layer_count_asks_mpu,
@@ -57,6 +58,8 @@ from .upstream_fixes import (
     _tied_weights_keep_both_gradients,
     _tied_wgrad_placeholder_zeroed,
     _weights_gathered_before_save,
+    _SOURCE_FIXES,
+    _fixed_module_code,
 )
 from .te_features import (
     _TE_NONE_NAMES,
@@ -100,6 +103,7 @@ _AFTER_IMPORT_TARGET_STACK = {
 # Upstream's own bugs in a window of its history, fixed on every machine, ported or not (.upstream_fixes).
 _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.parallel_state": _no_group_of_no_ranks,
+    "megatron.training.arguments": _arguments_validate_twice,
     "megatron.training.checkpointing": (_rank_logged_without_a_group, _weights_gathered_before_save),
     "megatron.checkpointing": _weights_gathered_before_save,  # its name until 2024-03-26
     "megatron.legacy.model.utils": _norm_without_the_removed_flag,
@@ -205,7 +209,7 @@ class _ServeAfterImport(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         before, after = before_import_steps(fullname), after_import_steps(fullname)
-        if not before and not after:
+        if not before and not after and fullname not in _SOURCE_FIXES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -215,12 +219,24 @@ class _ServeAfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module):
             for step in before:
                 step(module)
-            run(module)
+            code = _fixed_code(spec, fullname)
+            if code is None:
+                run(module)
+            else:
+                exec(code, module.__dict__)  # upstream's own code, as upstream's later fix has it
             for step in after:
                 step(module)
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _fixed_code(spec, fullname: str):
+    """The module's code with :data:`_SOURCE_FIXES`' changes, or None (its loader runs it as it is)."""
+    if fullname not in _SOURCE_FIXES or not hasattr(spec.loader, "get_source"):
+        return None
+    source = spec.loader.get_source(fullname)
+    return None if source is None else _fixed_module_code(fullname, source, spec.origin)
 
 
 def install() -> None:

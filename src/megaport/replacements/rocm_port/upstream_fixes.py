@@ -395,6 +395,88 @@ def _local_moe_spec_takes_use_te(module) -> None:
     _replaced_by_fix(module, "_get_mlp_module_spec", _MoESpecTakesUseTe(), module, _MOE_SPEC_USE_TE)
 
 
+_DTYPES_MAPPED_ONCE = ("arguments validated once validate again, as upstream's 4d4621ba08 has it (the optimizer's dtype "
+                       "flags were mapped from their names whatever they held: the converter's saver failed with "
+                       "KeyError: torch.float32)")
+
+
+class _DtypeMappedOnce(ast.NodeTransformer):
+    """``dtype_map[args.X]`` -> ``args.X if isinstance(args.X, torch.dtype) else dtype_map[args.X]``:
+    upstream's 4d4621ba08 (its ``map_dtype``), each subscript it changed."""
+
+    found = False
+
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        if not (isinstance(node.value, ast.Name) and node.value.id == "dtype_map" and isinstance(node.ctx, ast.Load)
+                and isinstance(node.slice, ast.Attribute)):
+            return node
+        self.found = True
+        is_dtype = ast.Call(func=ast.Name(id="isinstance", ctx=ast.Load()),
+                            args=[node.slice, ast.Attribute(value=ast.Name(id="torch", ctx=ast.Load()), attr="dtype",
+                                                            ctx=ast.Load())], keywords=[])
+        return ast.copy_location(ast.IfExp(test=is_dtype, body=node.slice, orelse=node), node)
+
+
+def _arguments_validate_twice(module) -> None:
+    """Main ca87dcd697 (2024-12-19) until 4d4621ba08 (2025-01-31): ``validate_args`` mapped
+    ``--main-grads-dtype`` and the other optimizer dtype flags through ``dtype_map[name]``, so
+    arguments already validated (a checkpoint's, which the converter's saver takes from its loader
+    and validates again) failed with ``KeyError: torch.float32``: no conversion wrote a checkpoint,
+    on any machine. Six weeks of main across core-0.10 and core-0.11, whose release trees lack the
+    line, so no series patch can carry it: upstream's function with 4d4621ba08's mapping
+    (:func:`_recompiled`); where no ``dtype_map[...]`` is read, nothing changes."""
+    _replaced_by_fix(module, "validate_args", _DtypeMappedOnce(), module, _DTYPES_MAPPED_ONCE)
+
+
+_TE_IMPORT_GUARDED = ("language_module imports TransformerEngine's parallel cross entropy where TE is installed, as "
+                      "upstream's 028729b9bc does (its unguarded import stopped every model without TE)")
+
+
+class _TeCrossEntropyImportGuarded(ast.NodeTransformer):
+    """A module-level ``from megatron.core.extensions.transformer_engine import te_parallel_cross_entropy``
+    -> the same inside ``try`` with the name None on ImportError: upstream's 028729b9bc, the one
+    statement it changed."""
+
+    found = False
+
+    def visit_Module(self, node):
+        for index, statement in enumerate(node.body):
+            if (isinstance(statement, ast.ImportFrom) and statement.module == "megatron.core.extensions.transformer_engine"
+                    and [alias.name for alias in statement.names] == ["te_parallel_cross_entropy"]):
+                missing = ast.Assign(targets=[ast.Name(id="te_parallel_cross_entropy", ctx=ast.Store())],
+                                     value=ast.Constant(value=None))
+                handler = ast.ExceptHandler(type=ast.Name(id="ImportError", ctx=ast.Load()), name=None, body=[missing])
+                node.body[index] = ast.copy_location(
+                    ast.Try(body=[statement], handlers=[handler], orelse=[], finalbody=[]), statement)
+                self.found = True
+        return node
+
+
+def _fixed_module_code(fullname: str, source: str, filename: str):
+    """``fullname``'s code compiled from ``source`` as :data:`_SOURCE_FIXES` change it, said once;
+    None where no fix is listed for it or none finds its statement (upstream's code runs as it is)."""
+    fixes = [(fix(), said) for fix, said in _SOURCE_FIXES.get(fullname, ())]
+    if not fixes:
+        return None
+    tree = ast.parse(source, filename)
+    for fix, said in fixes:
+        tree = fix.visit(tree)
+        if fix.found:
+            say_once(said)
+    if not any(fix.found for fix, _ in fixes):
+        return None
+    return compile(ast.fix_missing_locations(tree), filename, "exec")
+
+
+#: Upstream's bugs in a module-level statement, which no step after the import can reach (the
+#: module fails to load): the module's source as upstream's fix changed it, before it runs.
+_SOURCE_FIXES = {
+    # main eaf9408232 (2025-03-08) … 028729b9bc (2025-03-15)
+    "megatron.core.models.common.language_module.language_module": ((_TeCrossEntropyImportGuarded, _TE_IMPORT_GUARDED),),
+}
+
+
 _TIED_WGRAD = ("tied embeddings keep both layers' gradients under gradient-accumulation fusion, as upstream's "
                "3479e6fb26 (the embedding's was added to a torch.empty placeholder and dropped)")
 
