@@ -281,7 +281,8 @@ def test_git_am_applies_a_builtin_series_without_megaport(tmp_path):
 
 
 def test_fallback_prefers_the_series_that_lands_more_patches_over_fewer_offsets():
-    """Main's 0.13.0rc0 commits of 2025-04: core-0.10-0.12 and core-0.12 both land, core-0.12 with its
+    """Main's 0.13.0rc0 commits of 2025-04: core-0.10-0.12 (the series of core 0.10 and 0.11 until
+    they were split by their converter's shapes) and core-0.12 both landed, core-0.12 with its
     converter patches too but more offsets; the fewer offsets won and the tree lost those patches."""
     from types import SimpleNamespace
 

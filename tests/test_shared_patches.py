@@ -153,7 +153,7 @@ def test_a_list_entry_outside_the_shared_places_is_refused(tmp_path):
 # (variable naming the clone, series): every port variant, and series that share the most.
 SAMPLE = [
     ("MEGAPORT_UPSTREAM_CLONE", "core-0.13-0.16"),     # core-zero-guarded
-    ("MEGAPORT_UPSTREAM_CLONE", "core-0.10-0.12"),
+    ("MEGAPORT_UPSTREAM_CLONE", "core-0.11"),          # core-0.10-0.12's then (RENAMED)
     ("MEGAPORT_UPSTREAM_CLONE", "e4-2023-07"),         # core-zero-unguarded
     ("MEGAPORT_UPSTREAM_CLONE", "e1-v2.0"),            # megatron-uniform-guarded
     ("MEGAPORT_UPSTREAM_CLONE", "e2-2022-zero-rows"),  # megatron-zero-guarded
@@ -163,21 +163,26 @@ SAMPLE = [
 ]
 
 
+#: sample series split off a series of BEFORE_SHARING since, and that series' name then
+RENAMED = {"core-0.11": "core-0.10-0.12"}
+
+
 def before_sharing(series: str, target: Path) -> Path:
-    """The series folder as of BEFORE_SHARING, beside today's port/ (so the port package's later
-    edits are in both trees), and the patches the series has listed after its last entry since,
-    copied in (a patch a series gained later is in both trees); skips where this checkout has no
-    such history."""
-    probe = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BEFORE_SHARING}:patches/{series}/series"],
+    """The series folder as of BEFORE_SHARING (under its name then, :data:`RENAMED`), beside
+    today's port/ (so the port package's later edits are in both trees), and the patches the series
+    has listed after its last entry since, copied in (a patch a series gained later is in both
+    trees); skips where this checkout has no such history."""
+    then_name = RENAMED.get(series, series)
+    probe = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BEFORE_SHARING}:patches/{then_name}/series"],
                            capture_output=True)
     if probe.returncode:
         pytest.skip(f"this checkout has no commit {BEFORE_SHARING} (the series before sharing)")
     target.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_SHARING, f"patches/{series}"],
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_SHARING, f"patches/{then_name}"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(target), "--strip-components=1"], input=archive, check=True)
     shutil.copytree(ROOT / "patches" / PORT_DIR, target / PORT_DIR)
-    folder = target / series
+    folder = target / then_name
     then = list_entries(folder / LIST_FILE)
     for _, entry in list_entries(ROOT / "patches" / series / LIST_FILE)[len(then):]:
         shutil.copy(ROOT / "patches" / series / entry, folder / Path(entry).name)

@@ -227,7 +227,7 @@ def _fit_cost(plan: SeriesPlan) -> tuple[int, int, int, int]:
     """Fewest skipped patches first: a series that skips its training patches on a full tree is
     from another era even when its core patches happen to land. Then the least fuzz, then the
     most patches applied (a patch that lands is a fix the tree gets: main's 0.13.0rc0 commits of
-    2025-04 took core-0.10-0.12 for its fewer offsets and lost core-0.12's converter patches),
+    2025-04 took core-0.10-0.12, core 0.10 and 0.11's series then, for its fewer offsets and lost core-0.12's converter patches),
     then the fewest offsets."""
     counts = plan.hunk_counts
     return (_skipped_patches(plan), counts.get("fuzz", 0), -_applied_patches(plan), counts.get("offset", 0))
