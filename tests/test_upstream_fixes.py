@@ -800,13 +800,25 @@ def _language_module_tree(tmp_path, source=LANGUAGE_MODULE):
     return path
 
 
+@pytest.fixture
+def own_megatron_modules(monkeypatch):
+    """The test's ``megatron`` packages (from its tree) leave ``sys.modules`` with it: the next test's
+    imports find theirs."""
+    import sys
+
+    before = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "megatron"}
+    for name in before:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [name for name in sys.modules if name.split(".")[0] == "megatron"]:
+        del sys.modules[name]
+    sys.modules.update(before)
+
+
 def _load_language_module(tmp_path, monkeypatch, run):
     """The tree's language module loaded as upstream's (its package from the tree) and run by ``run``."""
-    import sys
     import types
 
-    for name in ("megatron", "megatron.core", "megatron.core.extensions", "megatron.core.extensions.transformer_engine"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / "megatron/core/models/common/language_module/language_module.py"
     module = types.ModuleType(LANGUAGE_MODULE_NAME)
@@ -830,7 +842,8 @@ def _by_the_shim(module, source, filename):
     exec(compile(shim.guarded_import(source), filename, "exec"), module.__dict__)
 
 
-def test_unfixed_the_language_module_needs_te_and_the_shim_answers_that_failure(tmp_path, monkeypatch):
+def test_unfixed_the_language_module_needs_te_and_the_shim_answers_that_failure(tmp_path, monkeypatch,
+                                                                              own_megatron_modules):
     _language_module_tree(tmp_path)
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("TransformerEngine is installed here: the window's import succeeds")
@@ -841,7 +854,7 @@ def test_unfixed_the_language_module_needs_te_and_the_shim_answers_that_failure(
 
 
 @pytest.mark.parametrize("run", [_by_the_port, _by_the_shim], ids=["port", "shim"])
-def test_the_language_module_imports_without_te_as_upstreams_fix_does(tmp_path, monkeypatch, run):
+def test_the_language_module_imports_without_te_as_upstreams_fix_does(tmp_path, monkeypatch, run, own_megatron_modules):
     _language_module_tree(tmp_path)
     module = _load_language_module(tmp_path, monkeypatch, run)
     logits, labels = torch.randn(3, 5), torch.tensor([0, 4, 2])
