@@ -205,7 +205,9 @@ def before_import_steps(fullname: str) -> tuple:
 
 class _ServeAfterImport(importlib.abc.MetaPathFinder):
     """Runs the steps of a module (:func:`before_import_steps`, :func:`after_import_steps`) around
-    upstream's own code in it: one mechanism for every era, whatever shape the file has."""
+    upstream's own code in it, and that code from its fixed source where upstream's later fix of a
+    module-level statement is listed (``upstream_fixes._SOURCE_FIXES``): one mechanism for every era,
+    whatever shape the file has."""
 
     def find_spec(self, fullname, path=None, target=None):
         before, after = before_import_steps(fullname), after_import_steps(fullname)
