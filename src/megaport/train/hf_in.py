@@ -30,7 +30,7 @@ import re
 import subprocess
 import sys
 
-from megaport.train import data, example, log, pretrain, torchrun
+from megaport.train import data, example, log, pretrain, torchrun, tree_files
 
 #: relative difference allowed between Megatron's loss and transformers': fp32 on both sides, the
 #: same weights; what is left is the order of floating-point sums (measured 0 on core 0.17, Llama)
@@ -121,14 +121,16 @@ SOURCES = {s.family: s for s in (
 
 def saver(tree: str) -> str:
     """The docs' ``--saver`` for Megatron Core's format: ``core`` from core 0.13, ``mcore`` before."""
-    return "core" if os.path.exists(os.path.join(tree, "tools", "checkpoint", "saver_core.py")) else "mcore"
+    return "core" if tree_files.first_file(tree, "tools/checkpoint/saver_core.py") else "mcore"
 
 
 def absent(tree: str, family: str) -> str | None:
-    """Why the tree cannot bring ``family``'s Hugging Face weights in; None where it can."""
+    """Why the tree cannot bring ``family``'s Hugging Face weights in; None where it can. Era facts,
+    read from the unported commit (:mod:`megaport.train.tree_files`): a series that dropped a loader
+    must fail the row, not remove it."""
     source = SOURCES[family]
-    if not os.path.exists(os.path.join(tree, "tools", "checkpoint", f"{source.loader}.py")):
-        removed = source.elsewhere and os.path.exists(os.path.join(tree, source.removed_beside))
+    if not tree_files.first_file(tree, f"tools/checkpoint/{source.loader}.py"):
+        removed = source.elsewhere and tree_files.first_file(tree, source.removed_beside)
         return f"the tree has no tools/checkpoint/{source.loader}.py" + (f": {source.elsewhere}" if removed else
                                                                         " (this era's converter has none)")
     missing = [flag for flag in source.needs if not example.parser_has(tree, flag)]
@@ -174,8 +176,7 @@ def _era_model_size(tree: str, source: Source, flag: str) -> str:
     """``flag``, or the name the tree's loader gives the same model where it names models by size."""
     if flag not in _SIZED_NAMES:
         return flag
-    path = os.path.join(tree, "tools", "checkpoint", f"{source.loader}.py")
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    text = tree_files.tree_text(tree, f"tools/checkpoint/{source.loader}.py") or ""
     return flag if f"'{flag}'" in text or not text else _SIZED_NAMES[flag]
 
 

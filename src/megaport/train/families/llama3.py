@@ -8,10 +8,10 @@ settings. The reader takes both branches of its data conditional; the run's data
 win (argparse keeps the last value), and flags whose values are shell variables are left out.
 """
 
-import os
 
 from megaport.train.families import llama
 from megaport.train.families.spec import Family
+from megaport.train.tree_files import first_file
 
 SCRIPT = "examples/llama/train_llama3_8b_h100_fp8.sh"
 
@@ -20,8 +20,7 @@ FAMILY = Family(
     entry_point="pretrain_gpt.py",
     summary="Llama 3 8B (zero-centred RMSNorm, SwiGLU, RoPE, GQA), bf16",
     scripts=(SCRIPT,),
-    present=lambda tree: os.path.isfile(os.path.join(tree, SCRIPT)) and os.path.isfile(
-        os.path.join(tree, "pretrain_gpt.py")),
+    present=lambda tree: first_file(tree, SCRIPT) is not None and first_file(tree, "pretrain_gpt.py") is not None,
     size_flags=llama._sizes,
     # the script takes these from shell variables, which the reader leaves out
     added=((("--num-layers", "1", "--seq-length", "1", "--max-position-embeddings", "1", "--micro-batch-size", "1",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megaport.train import example
-from megaport.train.tree_files import tree_text
+from megaport.train.tree_files import first_file, tree_text
 
 
 def _always(tree: str) -> bool:
@@ -130,7 +130,7 @@ class Family:
         return answer.stdout.split()
 
     def has_entry_point(self, tree: str) -> bool:
-        return os.path.isfile(os.path.join(tree, self.entry_point))
+        return first_file(tree, self.entry_point) is not None
 
 
 #: upstream's legacy transformer views the query slice of its split QKV in one go, which only works
@@ -159,7 +159,7 @@ def query_groups(sizes: example.Sizes, tree: str) -> int:
 def entry_point_and(*flags: str, entry_point: str = "pretrain_gpt.py") -> Callable[[str], bool]:
     """A presence rule: the tree has ``entry_point`` and its parser every one of ``flags``."""
     def present(tree: str) -> bool:
-        return (os.path.isfile(os.path.join(tree, entry_point))
+        return (first_file(tree, entry_point) is not None
                 and all(example.parser_has(tree, flag) for flag in flags))
     present.__doc__ = f"{entry_point} and the parser's {', '.join(flags) or 'any flags'}"
     return present
