@@ -463,7 +463,28 @@ def test_tensor_parallel_layouts_are_absent_for_an_mla_that_builds_one_head(tmp_
                              models=["deepseek"])
     assert [(a.layout, "one head" in a.why) for a in absent if not a.check] == [("tp2-sp", True)]
     assert {r.layout.name for r in runs} == {"pp2"}
-    mla.write_text(f"{deepseek._MLA_SHARED_ROPE_EXPANDED}-1, -1, self.num_attention_heads_per_partition, -1)\n")
+    expanded = f"{deepseek._MLA_SHARED_ROPE_EXPANDED}-1, -1, self.num_attention_heads_per_partition, -1)\n"
+    mla.write_text(expanded)
+    runs, absent = plan.plan(tree, [layouts.get("tp2-sp")], checks.select(None), models=["deepseek"])
+    assert {r.layout.name for r in runs} == {"tp2-sp"}
+
+
+def test_tensor_parallel_layouts_are_absent_where_mla_asserts_tp_one(tmp_path):
+    """From 47ab878ae7 (2024-12-07) MLA builds every head but asserts a TP size of 1 until ea94163be7
+    (2025-02-02): core 0.10's DeepSeek tp2-sp died "MLA is not supported with Tensor Parallelism yet"."""
+    from megaport.train.families import deepseek
+
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+                            "--multi-latent-attention", "--num-experts", *LLAMA_FLAGS])
+    mla = Path(tree, deepseek._MLA)
+    mla.parent.mkdir(parents=True)
+    expanded = f"{deepseek._MLA_SHARED_ROPE_EXPANDED}-1, -1, self.num_attention_heads_per_partition, -1)\n"
+    mla.write_text('assert world_size == 1, "MLA is not supported with Tensor Parallelism yet, use EP"\n' + expanded)
+    runs, absent = plan.plan(tree, [layouts.get("tp2-sp"), layouts.get("pp2")], checks.select(None),
+                             models=["deepseek"])
+    assert [(a.layout, "refuses tensor parallelism" in a.why) for a in absent if not a.check] == [("tp2-sp", True)]
+    assert {r.layout.name for r in runs} == {"pp2"}
+    mla.write_text(expanded)
     runs, absent = plan.plan(tree, [layouts.get("tp2-sp")], checks.select(None), models=["deepseek"])
     assert {r.layout.name for r in runs} == {"tp2-sp"}
 

@@ -871,3 +871,115 @@ def test_where_the_import_is_guarded_the_port_and_the_shim_leave_the_module_alon
     assert port_support.load().upstream_fixes._fixed_module_code(LANGUAGE_MODULE_NAME, fixed, "x.py") is None
     assert registry.REGISTRY["te-cross-entropy-import"].guarded_import(fixed) == fixed
     assert registry.applies("te-cross-entropy-import", str(tmp_path)) is False
+
+
+# -- Megatron-Bridge's unguarded TE import (the converter upstream's docs name for Llama since 2026-05) ----
+
+#: Bridge 0.6.2's megatron/bridge/peft/lora_layers.py, as far as its import and TE names at definition go
+BRIDGE_LORA_LAYERS = '''"""LoRA layers."""
+import math
+
+import torch
+import transformer_engine.pytorch as te
+
+
+class TEFusedLoRALinear(torch.nn.Module):
+    def _make_fused_branches(self) -> tuple[te.ops.Sequential, te.ops.Sequential]:
+        return te.ops.Sequential(), te.ops.Sequential()
+
+
+class LinearAdapter(torch.nn.Linear):
+    scale = math.sqrt(4.0)
+'''
+BRIDGE_LORA_NAME = "megatron.bridge.peft.lora_layers"
+
+
+def _bridge_module(source, run):
+    import types
+
+    module = types.ModuleType(BRIDGE_LORA_NAME)
+    run(module, source)
+    return module
+
+
+def _bridge_by_the_port(module, source):
+    code = port_support.load().upstream_fixes._fixed_module_code(BRIDGE_LORA_NAME, source, "lora_layers.py")
+    assert code is not None
+    exec(code, module.__dict__)
+
+
+def test_bridge_stops_at_its_te_import_and_the_port_serves_it(tmp_path, monkeypatch):
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed here: Bridge's import succeeds")
+    with pytest.raises(ModuleNotFoundError, match="transformer_engine"):
+        _bridge_module(BRIDGE_LORA_LAYERS, lambda m, s: exec(compile(s, "lora_layers.py", "exec"), m.__dict__))
+    module = _bridge_module(BRIDGE_LORA_LAYERS, _bridge_by_the_port)
+    assert module.te is None and module.__doc__ == "LoRA layers."
+    assert module.LinearAdapter(2, 3).scale == 2.0  # the rest of the module is Bridge's, unchanged
+
+
+def test_where_te_is_installed_bridge_imports_it_through_the_ports_guard(tmp_path, monkeypatch):
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "pytorch.py").write_text("class ops:\n    class Sequential:\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    module = _bridge_module(BRIDGE_LORA_LAYERS, _bridge_by_the_port)
+    assert module.te.__name__ == "transformer_engine.pytorch"
+    assert isinstance(module.TEFusedLoRALinear()._make_fused_branches()[0], module.te.ops.Sequential)
+
+
+def test_where_bridge_guards_its_te_import_the_port_leaves_it_alone():
+    guarded = BRIDGE_LORA_LAYERS.replace("import transformer_engine.pytorch as te\n",
+                                         "try:\n    import transformer_engine.pytorch as te\nexcept ImportError:\n"
+                                         "    te = None\n")
+    assert port_support.load().upstream_fixes._fixed_module_code(BRIDGE_LORA_NAME, guarded, "x.py") is None
+
+
+#: The shape of upstream 8fba594837 … b5836f82f6 (2025-01-09 … 02-10): the attention base class takes
+#: the sequence offset TransformerLayer passes, MultiLatentAttention's forward does not.
+MLA_WITHOUT_OFFSET = '''
+class Attention:
+    def forward(self, hidden_states, attention_mask, inference_params=None, sequence_len_offset=None):
+        return hidden_states
+
+
+class MultiLatentAttention(Attention):
+    def forward(self, hidden_states, attention_mask, inference_params=None, packed_seq_params=None,
+                position_ids=None):
+        return hidden_states * 2
+
+
+def transformer_layer(attention, hidden_states):
+    return attention.forward(hidden_states, None, inference_params=None, sequence_len_offset=None)
+'''
+
+
+def _mla_module(tmp_path, source=MLA_WITHOUT_OFFSET):
+    return _upstream_module(tmp_path / "megatron/core/transformer/multi_latent_attention.py",
+                            "megatron.core.transformer.multi_latent_attention", source)
+
+
+def test_unfixed_mla_refuses_the_layers_sequence_offset_and_the_shim_answers_it(tmp_path):
+    module = _mla_module(tmp_path)
+    with pytest.raises(TypeError, match="sequence_len_offset") as raised:
+        module.transformer_layer(module.MultiLatentAttention(), 3)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "mla-sequence-len-offset"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_mla_takes_the_sequence_offset_as_upstreams_fix_does(tmp_path, fix):
+    module = _fixed_by(_mla_module(tmp_path), fix, "mla-sequence-len-offset", "offset_taken")
+    assert module.transformer_layer(module.MultiLatentAttention(), 3) == 6
+
+
+@pytest.mark.parametrize("source", [
+    MLA_WITHOUT_OFFSET.replace("position_ids=None):", "position_ids=None, sequence_len_offset=None):"),
+    MLA_WITHOUT_OFFSET.replace(", sequence_len_offset=None):\n        return hidden_states\n",
+                               "):\n        return hidden_states\n")], ids=["fixed", "before-the-window"])
+def test_outside_the_window_the_port_leaves_mlas_forward_alone(tmp_path, source):
+    module = _mla_module(tmp_path, source)
+    forward = module.MultiLatentAttention.forward
+    assert _ported(module).MultiLatentAttention.forward is forward

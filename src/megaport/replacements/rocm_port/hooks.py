@@ -50,6 +50,7 @@ from .upstream_fixes import (
     _cpu_init_names_its_rank,
     _layer_count_asks_mpu,
     _local_moe_spec_takes_use_te,
+    _mla_takes_the_sequence_offset,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
     _rank_logged_without_a_group,
@@ -117,6 +118,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.model.module": _tied_weights_keep_both_gradients,
     "megatron.mpu.layers": _cpu_init_names_its_rank,
     "megatron.model.transformer": _layer_count_asks_mpu,
+    "megatron.core.transformer.multi_latent_attention": _mla_takes_the_sequence_offset,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

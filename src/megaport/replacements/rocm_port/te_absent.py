@@ -1,9 +1,11 @@
 """TransformerEngine absent (never on ROCm): its layers module served as stand-ins in the eras that
 import it unguarded, and its layer specs, fused RoPE and multi-tensor helpers served by Megatron's
-local PyTorch ones, so upstream's TE defaults build the same model."""
+local PyTorch ones, so upstream's TE defaults build the same model; and Megatron-Bridge's unguarded
+TE import (the converter upstream's docs name for Llama since 2026-05) guarded before it runs."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.abc
 import importlib.util
@@ -274,3 +276,38 @@ def local_spec_without_transformer_engine(te_spec, local_spec):
         return local_spec(**{k: v for k, v in given.items() if k in accepted})
 
     return spec
+
+
+_BRIDGE_LORA = ("Megatron-Bridge's LoRA layers import TransformerEngine unconditionally (megatron/bridge/peft/"
+                "lora_layers.py, which every 'from megatron.bridge import AutoBridge' imports): imported where TE "
+                "is installed; without it Bridge converts and trains, its TE-fused LoRA is unavailable")
+
+
+class BridgeTeImportGuarded(ast.NodeTransformer):
+    """A module-level ``import transformer_engine.pytorch as te`` -> the same inside ``try`` with
+    ``te = None`` on ImportError, and the module's annotations deferred (``from __future__ import
+    annotations``: Bridge's ``TEFusedLoRALinear`` names ``te.ops.Sequential`` in its signatures,
+    which Python evaluates at class definition). Upstream's docs send Llama users to Bridge since
+    upstream removed its Llama loader (39ec5ebeb4, 2026-05); Bridge 0.5.1 … 0.6.2 and its main
+    (067f987) stop at this import without TE, and with it guarded convert and train on the CPU."""
+
+    found = False
+
+    def visit_Module(self, node):
+        for index, statement in enumerate(node.body):
+            if (isinstance(statement, ast.Import) and len(statement.names) == 1
+                    and statement.names[0].name == "transformer_engine.pytorch"
+                    and statement.names[0].asname == "te"):
+                missing = ast.Assign(targets=[ast.Name(id="te", ctx=ast.Store())], value=ast.Constant(value=None))
+                handler = ast.ExceptHandler(type=ast.Name(id="ImportError", ctx=ast.Load()), name=None, body=[missing])
+                node.body[index] = ast.copy_location(
+                    ast.Try(body=[statement], handlers=[handler], orelse=[], finalbody=[]), statement)
+                self.found = True
+        if self.found and not any(isinstance(s, ast.ImportFrom) and s.module == "__future__"
+                                  and any(a.name == "annotations" for a in s.names) for s in node.body):
+            docstring = int(bool(node.body) and isinstance(node.body[0], ast.Expr)
+                            and isinstance(getattr(node.body[0], "value", None), ast.Constant)
+                            and isinstance(node.body[0].value.value, str))
+            node.body.insert(docstring, ast.ImportFrom(module="__future__", names=[ast.alias(name="annotations")],
+                                                       level=0))
+        return node

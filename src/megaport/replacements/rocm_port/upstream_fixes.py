@@ -14,6 +14,7 @@ import math
 import torch
 
 from .say import say_once
+from .te_absent import _BRIDGE_LORA, BridgeTeImportGuarded
 
 _NO_RANKS = ("parallel_state asked for a process group of no ranks (upstream 9208adbdc7 ... e43abe7dfa, context "
              "parallelism > 1): none is made, every rank is outside it, as upstream's fix stopped asking for it")
@@ -469,11 +470,14 @@ def _fixed_module_code(fullname: str, source: str, filename: str):
     return compile(ast.fix_missing_locations(tree), filename, "exec")
 
 
-#: Upstream's bugs in a module-level statement, which no step after the import can reach (the
-#: module fails to load): the module's source as upstream's fix changed it, before it runs.
+#: Module-level statements that stop a module loading, which no step after the import can reach:
+#: the module's source as upstream's fix changed it (or, for a package upstream's docs name, as the
+#: port serves TE's absence there), before it runs. One row per module.
 _SOURCE_FIXES = {
     # main eaf9408232 (2025-03-08) … 028729b9bc (2025-03-15)
     "megatron.core.models.common.language_module.language_module": ((_TeCrossEntropyImportGuarded, _TE_IMPORT_GUARDED),),
+    # Megatron-Bridge, where upstream's docs convert Llama since 2026-05 (its namespace is megatron's)
+    "megatron.bridge.peft.lora_layers": ((BridgeTeImportGuarded, _BRIDGE_LORA),),
 }
 
 
@@ -601,3 +605,29 @@ def _layer_count_asks_mpu(module) -> None:
     names = ("get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank", "is_pipeline_stage_before_split")
     _bound_where_undefined(module, {name: getattr(mpu, name, None) for name in names},
                            "the legacy model counts its layers with mpu's pipeline functions, as upstream's 1a26b2910d")
+
+
+_MLA_OFFSET = ("MultiLatentAttention takes the sequence_len_offset TransformerLayer passes every attention, as "
+               "upstream's b5836f82f6 (it did not: DeepSeek stopped at its first step)")
+
+
+def _mla_takes_the_sequence_offset(module) -> None:
+    """From 8fba594837 (2025-01-09, inference CUDA graphs) TransformerLayer passed
+    ``sequence_len_offset`` to its self-attention, whose base class took it, while
+    ``MultiLatentAttention.forward`` did not until b5836f82f6 (2025-02-10, "MLA_Fix"): every MLA model
+    (DeepSeek) failed ``TypeError: ... unexpected keyword argument 'sequence_len_offset'``, any device,
+    ported or not. Upstream's fix adds the parameter, unused in training; so does this, only where the
+    base class takes it and MLA does not."""
+    cls, base = getattr(module, "MultiLatentAttention", None), getattr(module, "Attention", None)
+    if cls is None or base is None or "sequence_len_offset" not in inspect.signature(base.forward).parameters:
+        return
+    forward = cls.forward
+    if "sequence_len_offset" in inspect.signature(forward).parameters:
+        return
+
+    @functools.wraps(forward)
+    def forward_taking_the_offset(self, *args, sequence_len_offset=None, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    cls.forward = forward_taking_the_offset
+    say_once(_MLA_OFFSET)

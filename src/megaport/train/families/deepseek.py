@@ -44,12 +44,23 @@ def attention_heads(sizes: example.Sizes, tree: str) -> int:
     return 1 if text is not None and _MLA_SHARED_ROPE_EXPANDED not in text else sizes.heads
 
 
-def _one_head_split(tree: str, layout) -> str | None:
-    """Why a TP layout cannot split the era's one-headed MLA (:func:`attention_heads`), or None."""
-    if layout.tensor_parallel > 1 and attention_heads(FAMILY.sizes, tree) < layout.tensor_parallel:
+#: from dcf9e77608 (2024-09-24, MLA's arrival) until ea94163be7 (2025-02-02, "MLA_TP") MLA asserted
+#: a tensor-parallel size of 1 when built
+_MLA_REFUSES_TP = "MLA is not supported with Tensor Parallelism yet"
+
+
+def _tensor_parallel_refused(tree: str, layout) -> str | None:
+    """Why a TP layout cannot split the era's MLA, or None: it builds one head
+    (:func:`attention_heads`), or it refuses TP outright (:data:`_MLA_REFUSES_TP`)."""
+    if layout.tensor_parallel <= 1:
+        return None
+    if attention_heads(FAMILY.sizes, tree) < layout.tensor_parallel:
         return ("this era's multi-latent attention builds one head only (upstream concatenated the shared RoPE key "
                 "part without expanding it to the heads until 47ab878ae7, 2024-12-07), which tensor parallelism "
                 "cannot split")
+    if _MLA_REFUSES_TP in (tree_text(tree, _MLA) or ""):
+        return ("this era's multi-latent attention refuses tensor parallelism (upstream asserted a TP size of 1 "
+                "until ea94163be7, 2025-02-02: \"MLA is not supported with Tensor Parallelism yet\")")
     return None
 
 
@@ -85,5 +96,5 @@ FAMILY = Family(
     # at 1e-3 its loss fell 6.4 % in 30 iterations on core 0.12's indexed data (TP2 + SP and one
     # rank 1.4e-4 apart): the layouts are compared over 50, as Mixtral's
     layout_steps=50,
-    layout_refused=_one_head_split,
+    layout_refused=_tensor_parallel_refused,
 )
