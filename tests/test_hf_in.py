@@ -24,11 +24,28 @@ def _tree(tmp_path, *files: str, parser: str = "group.add_argument('--rotary-bas
     return str(tmp_path)
 
 
-def test_a_tree_without_the_loader_says_where_its_weights_come_in_instead(tmp_path):
+def test_where_upstream_removed_the_llama_loader_its_weights_come_in_through_megatron_bridge(tmp_path):
+    """main since 39ec5ebeb4 (2026-05): no loader_llama_mistral.py; docs/llama_mistral.md converts with
+    Megatron-Bridge's convert_checkpoints.py import (one rank's checkpoint, no parallel sizes)."""
     tree = _tree(tmp_path, "convert.py", "saver_core.py", "loader_core.py", "loader_mixtral_hf.py")
-    why = hf_in.absent(tree, "llama")
-    assert "loader_llama_mistral.py" in why and "Megatron-Bridge" in why
+    assert hf_in.through_bridge(tree, "llama") and hf_in.absent(tree, "llama") is None
+    assert not hf_in.through_bridge(tree, "mixtral")  # its loader is there
+    cpu = hf_in.convert_command(tree, "llama", "HF", "OUT", 2, gpu=False)
+    gpu = hf_in.convert_command(tree, "llama", "HF", "OUT", 2, gpu=True)
+    assert cpu[1:4] == ["-m", "megaport.train.launch", "--cpu"] and cpu[4].endswith("bridge_convert.py")
+    assert gpu[1].endswith("bridge_convert.py") and "megaport.train.launch" not in gpu
+    for argv in (cpu, gpu):
+        flags = " ".join(argv)
+        assert "import --hf-model HF --megatron-path OUT --torch-dtype float32" in flags
+        assert "--target-tensor-parallel-size" not in flags and "--loader" not in flags
     assert hf_in.absent(_tree(tmp_path, "loader_llama_mistral.py"), "llama") is None
+    assert not hf_in.through_bridge(str(tmp_path), "llama")  # the loader is back: upstream's converter
+
+
+def test_a_machine_without_megatron_bridge_is_told_what_to_install(tmp_path):
+    missing = hf_in.missing_packages(bridge=True, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert "megatron-bridge" in missing or __import__("importlib").util.find_spec("megatron.bridge") is not None
+    assert "megatron-bridge" not in hf_in.missing_packages(bridge=False)
 
 
 def test_a_tree_whose_parser_cannot_set_ropes_base_lists_the_row_not_fails_it(tmp_path):
@@ -80,6 +97,9 @@ def test_the_launch_is_the_docs_flags_in_fp32_for_one_iteration_at_the_tp_size()
     assert "--load CKPT" in flags and "--data-path DOC" in flags and "--train-iters 1" in flags
     assert "--bf16" not in flags and "--fp16" not in flags  # the same numbers as transformers' fp32
     assert "--cpu pretrain_gpt.py" in flags
+    assert "--num-layers" not in flags  # --use-checkpoint-args reads it from the converter's checkpoint
+    bridged = " ".join(hf_in.launch_command("llama", "HF", "CKPT", "DOC", 2, gpu=False, bridge=True))
+    assert f"--num-layers {hf_models.LAYERS}" in bridged and f"--hidden-size {hf_models.HIDDEN}" in bridged
 
 
 def _made(family: str, folder):

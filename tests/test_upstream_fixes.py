@@ -983,3 +983,51 @@ def test_outside_the_window_the_port_leaves_mlas_forward_alone(tmp_path, source)
     module = _mla_module(tmp_path, source)
     forward = module.MultiLatentAttention.forward
     assert _ported(module).MultiLatentAttention.forward is forward
+
+
+#: The shape of upstream 044e2ad5aa … e6b3c4921f (2025-02-10 … 03-12): the all-to-all dispatcher keeps
+#: the counts it has not viewed per local expert for its sort after the all-to-all.
+DISPATCHER_COUNTS = '''
+import torch
+
+
+class MoEAlltoAllTokenDispatcher:
+    def __init__(self, num_local_experts, moe_permute_fusion=False):
+        self.num_local_experts = num_local_experts
+        self.moe_permute_fusion = moe_permute_fusion
+
+    def preprocess(self, counts):
+        num_global_tokens_per_local_expert = counts  # [tp_size, ep_size, num_local_experts]
+        if self.num_local_experts > 1:
+            self.num_global_tokens_per_local_expert = num_global_tokens_per_local_expert.view(
+                -1, self.num_local_experts
+            )
+            if not self.moe_permute_fusion:
+                self.num_global_tokens_per_local_expert = num_global_tokens_per_local_expert.to(
+                    torch.device("cpu"), non_blocking=False
+                )
+        return counts.sum(dim=(0, 1))
+'''
+
+
+def _dispatcher(tmp_path, source=DISPATCHER_COUNTS):
+    return _upstream_module(tmp_path / "megatron/core/transformer/moe/token_dispatcher.py",
+                            "megatron.core.transformer.moe.token_dispatcher", source)
+
+
+def test_the_dispatcher_sorts_by_the_counts_viewed_per_local_expert_as_upstreams_fix_does(tmp_path):
+    counts = torch.arange(8).reshape(2, 2, 2)  # TP2 x EP2 x two local experts
+    unfixed = _dispatcher(tmp_path).MoEAlltoAllTokenDispatcher(2)
+    unfixed.preprocess(counts)
+    assert unfixed.num_global_tokens_per_local_expert.shape == (2, 2, 2)  # the window's bug: not [tp*ep, experts]
+    ported = _ported(_dispatcher(tmp_path)).MoEAlltoAllTokenDispatcher(2)
+    assert torch.equal(ported.preprocess(counts), unfixed.preprocess(counts))
+    assert torch.equal(ported.num_global_tokens_per_local_expert, counts.view(-1, 2))
+
+
+def test_where_the_dispatcher_keeps_its_viewed_counts_the_port_leaves_it_alone(tmp_path):
+    fixed = DISPATCHER_COUNTS.replace("= num_global_tokens_per_local_expert.to(",
+                                      "= self.num_global_tokens_per_local_expert.to(")
+    module = _dispatcher(tmp_path, fixed)
+    preprocess = module.MoEAlltoAllTokenDispatcher.preprocess
+    assert _ported(module).MoEAlltoAllTokenDispatcher.preprocess is preprocess

@@ -3,8 +3,9 @@
 the loss ``transformers`` computes on the same tokens (:mod:`megaport.train.hf_in`); where the
 family's docs convert to an expert-parallel size (Mixtral), at EP2 too.
 
-A family whose loader the tree lacks (Llama on main since May 2026), or a machine without the
-packages the converter imports, is listed in the report with why, never a test that skips.
+Where upstream removed the family's loader and its docs name Megatron-Bridge (Llama on main since May
+2026), the weights come in through Bridge's import. A family the tree cannot bring in, or a machine
+without the packages the conversion imports, is listed in the report with why, never a test that skips.
 Facts: ``hf_in.<family>.tp<N>`` (``tp<N>-ep<M>`` at an expert-parallel size above 1).
 """
 
@@ -26,11 +27,14 @@ def pytest_generate_tests(metafunc):
     models = config.getoption("--megaport-models")
     wanted = [m.strip() for m in models.split(",")] if models else list(hf_in.SOURCES)
     rows, absent = [], []
-    missing = hf_in.missing_packages() if any(f in hf_in.SOURCES for f in wanted) else []
+    tree = str(smoke.tree)
     for family in (f for f in wanted if f in hf_in.SOURCES):
-        why = hf_in.absent(str(smoke.tree), family) or (
-            f"the converter imports {', '.join(missing)}, which this Python lacks: pip install {' '.join(missing)}"
-            if missing else None)
+        bridge = hf_in.through_bridge(tree, family)
+        missing = [] if hf_in.absent(tree, family) else hf_in.missing_packages(bridge=bridge,
+                                                                               env=smoke.subprocess_env())
+        why = hf_in.absent(tree, family) or (
+            f"the {'Megatron-Bridge import' if bridge else 'converter'} needs {', '.join(missing)}, which this "
+            f"Python lacks: pip install {' '.join(missing)}" if missing else None)
         if why:
             absent.append(f"{family}: {why}")
         else:

@@ -56,6 +56,9 @@ class Source:
     elsewhere: str = ""
     #: a converter file of the eras after the loader's removal (older trees have neither)
     removed_beside: str = ""
+    #: the family converts through Megatron-Bridge (:mod:`megaport.train.bridge_convert`) where the
+    #: loader was removed: what upstream's docs name there
+    bridge: bool = False
     #: the docs' ``--saver``; empty: the era's name for Megatron Core's format (:func:`saver`)
     saver: str = ""
     #: launch flags the docs give with their own model's sizes: the tiny model's values go there
@@ -90,6 +93,7 @@ SOURCES = {s.family: s for s in (
                      "which imports TransformerEngine unconditionally (megatron/bridge/peft/lora_layers.py): "
                      "blocked on Bridge without TE",
            removed_beside="tools/checkpoint/loader_core.py",  # core 0.13 on, with the Llama loader until 2026-05
+           bridge=True,
            size_flags=("--num-attention-heads", "--num-query-groups")),
     Source("mixtral", "loader_mixtral_hf",
            ("--model-type", "GPT", "--loader", "loader_mixtral_hf"),
@@ -129,6 +133,8 @@ def absent(tree: str, family: str) -> str | None:
     read from the unported commit (:mod:`megaport.train.tree_files`): a series that dropped a loader
     must fail the row, not remove it."""
     source = SOURCES[family]
+    if through_bridge(tree, family):
+        return None
     if not tree_files.first_file(tree, f"tools/checkpoint/{source.loader}.py"):
         removed = source.elsewhere and tree_files.first_file(tree, source.removed_beside)
         return f"the tree has no tools/checkpoint/{source.loader}.py" + (f": {source.elsewhere}" if removed else
@@ -141,13 +147,33 @@ def absent(tree: str, family: str) -> str | None:
     return None
 
 
-def missing_packages(python: str = sys.executable) -> list:
-    """What the round trip imports that ``python`` lacks: transformers (the model and the converter's
-    loader) and accelerate (the loader's ``device_map='cpu'``)."""
-    probe = "import importlib.util, json; print(json.dumps([m for m in ('transformers', 'accelerate', 'tokenizers') " \
-            "if importlib.util.find_spec(m) is None]))"
-    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
-    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else ["transformers"]
+def through_bridge(tree: str, family: str) -> bool:
+    """Whether ``family``'s weights come in through Megatron-Bridge on ``tree``: upstream removed the
+    loader there (the era has the converter's later files, not the loader) and its docs name Bridge."""
+    source = SOURCES[family]
+    return (source.bridge and not tree_files.first_file(tree, f"tools/checkpoint/{source.loader}.py")
+            and tree_files.first_file(tree, source.removed_beside) is not None)
+
+
+#: what the round trip imports: module -> the package ``pip install`` takes
+PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "tokenizers": "tokenizers"}
+#: and, where the weights come in through Megatron-Bridge, Bridge
+BRIDGE_PACKAGES = {"megatron.bridge": "megatron-bridge"}
+
+
+def missing_packages(python: str = sys.executable, bridge: bool = False, env: dict | None = None) -> list:
+    """What the round trip imports that ``python`` lacks (the packages to install): transformers (the
+    model and the converter's loader), accelerate (the loader's ``device_map='cpu'``), and with
+    ``bridge`` Megatron-Bridge."""
+    wanted = {**PACKAGES, **(BRIDGE_PACKAGES if bridge else {})}
+    probe = ("import importlib.util, json, sys\n"
+             "def lacks(m):\n"
+             "    try:\n        return importlib.util.find_spec(m) is None\n"
+             "    except ImportError:\n        return True\n"
+             "print(json.dumps([m for m in sys.argv[1:] if lacks(m)]))")
+    proc = subprocess.run([python, "-c", probe, *wanted], capture_output=True, text=True, timeout=120, env=env)
+    lacking = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else ["transformers"]
+    return [wanted[m] for m in lacking]
 
 
 def _run(argv: list, cwd: str, env: dict, what: str, timeout: float = 900) -> str:
@@ -186,8 +212,17 @@ def layout_name(tp: int, ep: int = 1) -> str:
 
 
 def convert_command(tree: str, family: str, hf: str, out: str, tp: int, gpu: bool, ep: int = 1) -> list:
-    """The docs' conversion command (step 2); on the CPU through megaport's launcher."""
+    """The docs' conversion command (step 2); on the CPU through megaport's launcher. Through
+    Megatron-Bridge (:func:`through_bridge`) the docs' import takes no parallel sizes: it writes one
+    rank's checkpoint, which the launch reshards (``torch_dist``)."""
     source = SOURCES[family]
+    if through_bridge(tree, family):
+        from megaport.train import bridge_convert
+
+        script = bridge_convert.__file__
+        start = [sys.executable, script] if gpu else [sys.executable, "-m", "megaport.train.launch", "--cpu", script]
+        return start + ["import", "--hf-model", hf, "--megatron-path", out, "--torch-dtype", "float32",
+                        *(["--device-map", "auto"] if gpu else [])]
     script = os.path.join("tools", "checkpoint", "convert.py")
     flags = [_era_model_size(tree, source, flag) for flag in source.convert_flags]
     start = [sys.executable, script] if gpu else [sys.executable, "-m", "megaport.train.launch", "--cpu", script]
@@ -197,12 +232,16 @@ def convert_command(tree: str, family: str, hf: str, out: str, tp: int, gpu: boo
         "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "1", *expert]
 
 
-def launch_command(family: str, hf: str, checkpoint: str, prefix: str, tp: int, gpu: bool, ep: int = 1) -> list:
-    """The docs' launch flags for the converted checkpoint (step 3), one fp32 iteration on the document."""
+def launch_command(family: str, hf: str, checkpoint: str, prefix: str, tp: int, gpu: bool, ep: int = 1,
+                   bridge: bool = False) -> list:
+    """The docs' launch flags for the converted checkpoint (step 3), one fp32 iteration on the document.
+    A Megatron-Bridge checkpoint stores no Megatron-LM arguments for ``--use-checkpoint-args`` to
+    read: every shape flag of the model is given (``bridge``)."""
     from megaport.train import hf_models
 
     source = SOURCES[family]
-    sizes = [str(item) for flag in source.size_flags for item in (flag, hf_models.SIZES[family][flag])]
+    shape = hf_models.SIZES[family] if bridge else source.size_flags
+    sizes = [str(item) for flag in shape for item in (flag, hf_models.SIZES[family][flag])]
     expert = ["--expert-model-parallel-size", str(ep)] if any(e > 1 for _, e in source.layouts) else []
     target = ["-m", "megaport.train.launch", *([] if gpu else ["--cpu"]), "pretrain_gpt.py",
               "--tensor-model-parallel-size", str(tp), *expert, *source.launch_flags, *sizes,
@@ -233,15 +272,19 @@ def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None =
         made = json.load(handle)
     prefix = os.path.join(workdir, f"document-{family}")
     data.write_indexed_dataset(prefix, [made["document"]])
-    checkpoint = os.path.join(workdir, f"converted-{family}-{layout_name(tp, ep)}")
+    bridge = through_bridge(tree, family)
+    checkpoint = os.path.join(workdir, f"converted-{family}-" + ("bridge" if bridge else layout_name(tp, ep)))
     convert = convert_command(tree, family, hf, checkpoint, tp, gpu, ep)
-    converted = _run(convert, tree, tool_env, "upstream's converter")
+    done = os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt"))
+    converted = "" if bridge and done else _run(convert, tree, tool_env,
+                                                 "Megatron-Bridge's import" if bridge else "upstream's converter")
     if not os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")):
         # convert.py exits 0 when its loader or saver process dies: what they said is the cause
         errors = [line for line in converted.splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
-        raise RuntimeError(f"upstream's converter wrote no checkpoint in {checkpoint}"
+        raise RuntimeError(f"{'Megatron-Bridge' if bridge else 'upstream' + chr(39) + 's converter'} wrote no "
+                           f"checkpoint in {checkpoint}"
                            + (f": {errors[-1].strip()}" if errors else ""))
-    launch = launch_command(family, hf, checkpoint, prefix, tp, gpu, ep)
+    launch = launch_command(family, hf, checkpoint, prefix, tp, gpu, ep, bridge=bridge)
     trained = log.parse_log(_run(launch, tree, run_env, "pretrain_gpt.py on the converted checkpoint"))
     if not trained:
         raise RuntimeError("pretrain_gpt.py logged no iteration on the converted checkpoint")

@@ -48,6 +48,7 @@ from .upstream_fixes import (
     _arguments_validate_twice,
     _chained_optimizers_clip_by_one_norm,
     _cpu_init_names_its_rank,
+    _dispatcher_sorts_by_viewed_counts,
     _layer_count_asks_mpu,
     _local_moe_spec_takes_use_te,
     _mla_takes_the_sequence_offset,
@@ -119,6 +120,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.mpu.layers": _cpu_init_names_its_rank,
     "megatron.model.transformer": _layer_count_asks_mpu,
     "megatron.core.transformer.multi_latent_attention": _mla_takes_the_sequence_offset,
+    "megatron.core.transformer.moe.token_dispatcher": _dispatcher_sorts_by_viewed_counts,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.
