@@ -14,7 +14,7 @@ import math
 import torch
 
 from .say import say_once
-from .te_absent import _BRIDGE_LORA, BridgeTeImportGuarded
+from .te_absent import _BRIDGE_LORA, BridgeTeImportGuarded, import_guarded
 
 _NO_RANKS = ("parallel_state asked for a process group of no ranks (upstream 9208adbdc7 ... e43abe7dfa, context "
              "parallelism > 1): none is made, every rank is outside it, as upstream's fix stopped asking for it")
@@ -445,11 +445,7 @@ class _TeCrossEntropyImportGuarded(ast.NodeTransformer):
         for index, statement in enumerate(node.body):
             if (isinstance(statement, ast.ImportFrom) and statement.module == "megatron.core.extensions.transformer_engine"
                     and [alias.name for alias in statement.names] == ["te_parallel_cross_entropy"]):
-                missing = ast.Assign(targets=[ast.Name(id="te_parallel_cross_entropy", ctx=ast.Store())],
-                                     value=ast.Constant(value=None))
-                handler = ast.ExceptHandler(type=ast.Name(id="ImportError", ctx=ast.Load()), name=None, body=[missing])
-                node.body[index] = ast.copy_location(
-                    ast.Try(body=[statement], handlers=[handler], orelse=[], finalbody=[]), statement)
+                node.body[index] = import_guarded(statement, "te_parallel_cross_entropy")
                 self.found = True
         return node
 
