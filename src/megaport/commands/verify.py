@@ -392,8 +392,9 @@ def hf_row(compared: dict) -> str:
         return f"did not convert or train: {compared['error']}"
     verdict = "equals" if not compared.get("problems") else "FAILS: differs from"
     return (f"loss {compared['loss']:.6f} {verdict} transformers {compared['transformers']}'s "
-            f"{compared['transformers_loss']:.6f} ({compared['relative_difference']:.1e}); converted by upstream's "
-            f"tools/checkpoint/convert.py as {compared['docs']} runs it")
+            f"{compared['transformers_loss']:.6f} ({compared['relative_difference']:.1e}); converted by "
+            f"{compared.get('converter') or 'upstream' + chr(39) + 's tools/checkpoint/convert.py'} as "
+            f"{compared['docs']} runs it")
 
 
 def _hf_rows(document: dict, state: PortState):

@@ -84,14 +84,11 @@ SOURCES = {s.family: s for s in (
             "--transformer-impl", "transformer_engine", "--group-query-attention", "--attention-dropout", "0.0",
             "--hidden-dropout", "0.0", "--rotary-base", "500000", "--rotary-percent", "1.0", "--swiglu"),
            "docs/llama_mistral.md (Llama 3.x: the conversion, then 'Launch model')",
-           # Megatron-Bridge, tried on main d98e8a64dd (2026-11): 0.5.1, 0.6.2 and its main (067f987) import
-           # transformer_engine unconditionally (peft/lora_layers.py, its annotations evaluated at class
-           # definition), which the port cannot answer without a TE stub visible to the ported megatron.core
-           # too; with that file guarded, the docs' import then trains with transformers' loss (1.3e-7, TP1
-           # and TP2). Its docs' script left Bridge's main in c8344d0f4 (2026-07-15) for scripts/conversion.
-           elsewhere="upstream removed its Llama loader in May 2026 (39ec5ebeb4); its docs name Megatron-Bridge, "
-                     "which imports TransformerEngine unconditionally (megatron/bridge/peft/lora_layers.py): "
-                     "blocked on Bridge without TE",
+           # Megatron-Bridge (0.5.1 … 0.6.2 and its main 067f987) imports transformer_engine unconditionally in
+           # peft/lora_layers.py: the port guards that import before the module runs (rocm_port's source
+           # fixes). Its docs' script is its repository's, not its wheel's: megaport.train.bridge_convert
+           # makes the script's one call. Measured on main d98e8a64dd: transformers' loss to 1.3e-7, TP1 and TP2.
+           elsewhere="upstream removed its Llama loader in May 2026 (39ec5ebeb4); its docs name Megatron-Bridge",
            removed_beside="tools/checkpoint/loader_core.py",  # core 0.13 on, with the Llama loader until 2026-05
            bridge=True,
            size_flags=("--num-attention-heads", "--num-query-groups")),
@@ -295,5 +292,7 @@ def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None =
         f"({difference:.1e} apart, at most {TOLERANCE:.0e})"]
     return {"loss": loss, "transformers_loss": reference, "relative_difference": difference, "problems": problems,
             "transformers": made["transformers"], "tp": tp, "ep": ep, "docs": SOURCES[family].docs,
+            "converter": "Megatron-Bridge's import (AutoBridge.import_ckpt, one rank's checkpoint)" if bridge
+            else "upstream's tools/checkpoint/convert.py",
             "convert_command": " ".join(convert), "launch_command": " ".join(launch),
             "port_log": log.port_lines(converted)}
