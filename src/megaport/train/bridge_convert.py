@@ -6,8 +6,8 @@ is one call, ``AutoBridge.import_ckpt``, which this module makes with the same a
 ``pip install megatron-bridge`` is all verify needs of Bridge.
 
 Run it as the docs' script is run, in the ported tree's environment (on the CPU through megaport's
-launcher): Bridge imports the ported ``megatron.core``, whose port serves what Bridge asks of
-TransformerEngine (``rocm_port.upstream_fixes._SOURCE_FIXES``).
+launcher): Bridge imports the ported ``megatron.core`` before its LoRA layers, and with it the port,
+which serves what those ask of TransformerEngine (``rocm_port.upstream_fixes._SOURCE_FIXES``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ def main(argv: list | None = None) -> None:
     imported.add_argument("--device-map", help='device placement ("auto", "cuda:0")')
     args = parser.parse_args(argv)
 
-    import megatron.core  # noqa: F401  the ported tree's, and with it the port, before any of Bridge
     import torch
     from megatron.bridge import AutoBridge
 
