@@ -283,7 +283,7 @@ _BRIDGE_LORA = ("Megatron-Bridge's LoRA layers import TransformerEngine uncondit
                 "is installed; without it Bridge converts and trains, its TE-fused LoRA is unavailable")
 
 
-def import_guarded(statement: ast.stmt, name: str) -> ast.Try:
+def _import_guarded(statement: ast.stmt, name: str) -> ast.Try:
     """``statement`` (an import) inside ``try``, with ``name = None`` on ImportError: how upstream
     guards an optional TransformerEngine import, and how the port's source fixes do."""
     missing = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Constant(value=None))
@@ -291,7 +291,7 @@ def import_guarded(statement: ast.stmt, name: str) -> ast.Try:
     return ast.copy_location(ast.Try(body=[statement], handlers=[handler], orelse=[], finalbody=[]), statement)
 
 
-class BridgeTeImportGuarded(ast.NodeTransformer):
+class _BridgeTeImportGuarded(ast.NodeTransformer):
     """A module-level ``import transformer_engine.pytorch as te`` -> the same inside ``try`` with
     ``te = None`` on ImportError, and the module's annotations deferred (``from __future__ import
     annotations``: Bridge's ``TEFusedLoRALinear`` names ``te.ops.Sequential`` in its signatures,
@@ -306,7 +306,7 @@ class BridgeTeImportGuarded(ast.NodeTransformer):
             if (isinstance(statement, ast.Import) and len(statement.names) == 1
                     and statement.names[0].name == "transformer_engine.pytorch"
                     and statement.names[0].asname == "te"):
-                node.body[index] = import_guarded(statement, "te")
+                node.body[index] = _import_guarded(statement, "te")
                 self.found = True
         if self.found and not any(isinstance(s, ast.ImportFrom) and s.module == "__future__"
                                   and any(a.name == "annotations" for a in s.names) for s in node.body):

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .say import say_once
-from .te_absent import _BRIDGE_LORA, BridgeTeImportGuarded, import_guarded
+from .te_absent import _BRIDGE_LORA, _BridgeTeImportGuarded, _import_guarded
 
 _NO_RANKS = ("parallel_state asked for a process group of no ranks (upstream 9208adbdc7 ... e43abe7dfa, context "
              "parallelism > 1): none is made, every rank is outside it, as upstream's fix stopped asking for it")
@@ -445,7 +445,7 @@ class _TeCrossEntropyImportGuarded(ast.NodeTransformer):
         for index, statement in enumerate(node.body):
             if (isinstance(statement, ast.ImportFrom) and statement.module == "megatron.core.extensions.transformer_engine"
                     and [alias.name for alias in statement.names] == ["te_parallel_cross_entropy"]):
-                node.body[index] = import_guarded(statement, "te_parallel_cross_entropy")
+                node.body[index] = _import_guarded(statement, "te_parallel_cross_entropy")
                 self.found = True
         return node
 
@@ -473,7 +473,7 @@ _SOURCE_FIXES = {
     # main eaf9408232 (2025-03-08) … 028729b9bc (2025-03-15)
     "megatron.core.models.common.language_module.language_module": ((_TeCrossEntropyImportGuarded, _TE_IMPORT_GUARDED),),
     # Megatron-Bridge, where upstream's docs convert Llama since 2026-05 (its namespace is megatron's)
-    "megatron.bridge.peft.lora_layers": ((BridgeTeImportGuarded, _BRIDGE_LORA),),
+    "megatron.bridge.peft.lora_layers": ((_BridgeTeImportGuarded, _BRIDGE_LORA),),
 }
 
 
