@@ -1,7 +1,8 @@
 """Hugging Face weights in: a model made and saved by ``transformers``, converted by upstream's own
-``tools/checkpoint/convert.py`` with the command upstream's docs give, and loaded by the ported
-tree's ``pretrain_gpt.py`` with the docs' launch flags, has the loss ``transformers`` computes on
-the same tokens.
+``tools/checkpoint/convert.py`` with the command upstream's docs give (by Megatron-Bridge's import
+where upstream removed the family's loader and its docs name Bridge: Llama on main since 2026-05),
+and loaded by the ported tree's ``pretrain_gpt.py`` with the docs' launch flags, has the loss
+``transformers`` computes on the same tokens.
 
 What a user starting from Llama or Mixtral weights runs, in three steps, each its own process:
 
