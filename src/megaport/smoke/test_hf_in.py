@@ -30,11 +30,11 @@ def pytest_generate_tests(metafunc):
     tree = str(smoke.tree)
     for family in (f for f in wanted if f in hf_in.SOURCES):
         bridge = hf_in.through_bridge(tree, family)
-        missing = [] if hf_in.absent(tree, family) else hf_in.missing_packages(bridge=bridge,
-                                                                               env=smoke.subprocess_env())
-        why = hf_in.absent(tree, family) or (
-            f"the {'Megatron-Bridge import' if bridge else 'converter'} needs {', '.join(missing)}, which this "
-            f"Python lacks: pip install {' '.join(missing)}" if missing else None)
+        why = hf_in.absent(tree, family)
+        missing = [] if why else hf_in.missing_packages(bridge=bridge, env=smoke.subprocess_env())
+        if missing:
+            why = (f"the {'Megatron-Bridge import' if bridge else 'converter'} needs {', '.join(missing)}, which "
+                   f"this Python lacks: pip install {' '.join(missing)}")
         if why:
             absent.append(f"{family}: {why}")
         else:

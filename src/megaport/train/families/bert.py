@@ -5,10 +5,9 @@ BERT and T5 are the only upstream trainings that run the *padding-mask* fused so
 (2024 on) or ``examples/pretrain_bert.sh`` (before).
 """
 
-
 from megaport.train import example
-from megaport.train.families.spec import Family
-from megaport.train.tree_files import first_file, tree_says
+from megaport.train.families.spec import Family, entry_point_and
+from megaport.train.tree_files import tree_says
 
 _BERT_MODEL = "megatron/core/models/bert/bert_model.py"
 
@@ -41,7 +40,7 @@ FAMILY = Family(
                    "--lr-decay-iters 990000 --lr 0.0001 --min-lr 0.00001 --lr-decay-style linear "
                    "--lr-warmup-fraction .01 --weight-decay 1e-2 --clip-grad 1.0 --fp16".split()),
     fallback_source="examples/pretrain_bert.sh as of v2.0-2023 (the tree has no BERT example script)",
-    present=lambda tree: first_file(tree, "pretrain_bert.py") is not None,
+    present=entry_point_and(entry_point="pretrain_bert.py"),
     sizes=example.Sizes(),
     data="wordpiece",
     # pretrain_bert.py takes its layer spec from --spec, not --transformer-impl: without TE, unported

@@ -4,10 +4,8 @@ padding-mask softmax in its encoder and cross attention.
 Flags: ``examples/t5/train_t5_220m_distributed.sh`` (2024 on) or ``examples/pretrain_t5.sh`` (before).
 """
 
-
 from megaport.train import example
-from megaport.train.families.spec import Family
-from megaport.train.tree_files import first_file
+from megaport.train.families.spec import Family, entry_point_and
 
 
 def _sizes(sizes: example.Sizes, tree: str) -> dict:
@@ -29,7 +27,7 @@ FAMILY = Family(
                    "--lr-decay-iters 1000000 --lr 0.0001 --min-lr 0.00001 --lr-decay-style linear "
                    "--lr-warmup-fraction .01 --weight-decay 1e-2 --clip-grad 1.0 --fp16 --vocab-extra-ids 100".split()),
     fallback_source="examples/pretrain_t5.sh as of 2021-2023 (the tree has no T5 example script)",
-    present=lambda tree: first_file(tree, "pretrain_t5.py") is not None,
+    present=entry_point_and(entry_point="pretrain_t5.py"),
     size_flags=_sizes,
     # where the parser takes the decoder's depth apart and the script does not give it (Megatron-
     # DeepSpeed's T5 then builds a decoder of None layers), the run's depth, as for the encoder
