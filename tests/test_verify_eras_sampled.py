@@ -38,3 +38,11 @@ def test_only_picks_each_series_oldest_sampled_commit(full_clone):
                              "--series", "e7-2026-02", "--only", "*@oldest"],
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert listed == ["7a8f305f81b1  e7-2026-02@oldest"]
+
+
+def test_a_fix_spelled_inside_a_branch_name_is_sampled(full_clone):
+    """b5836f82f6 "MLA_Fix" (2025-02-10) closed a window in which DeepSeek trained nothing; a word
+    boundary before "fix" missed it, so no sample ever sat in the window."""
+    listed = subprocess.run([sys.executable, str(TOOL), "--repo", str(full_clone), "--sampled", "--list",
+                             "--series", "core-0.11"], capture_output=True, text=True, check=True).stdout
+    assert "(before b5836f82f6, mla: Merge branch 'MLA_Fix'" in listed
