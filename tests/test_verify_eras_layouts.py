@@ -12,25 +12,36 @@ import pytest
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "verify-eras"
 
 
+ABC = "s@abc (before f00, gpt: a fix)"
+
+
 @pytest.fixture()
 def tool(monkeypatch):
     loader = importlib.machinery.SourceFileLoader("verify_eras", str(TOOL))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader("verify_eras", loader))
     loader.exec_module(module)
     calls = []
-    monkeypatch.setattr(module, "targets", lambda *a, **k: [("s@oldest", "R", "a1"), ("s@abc", "R", "b2")])
+    monkeypatch.setattr(module, "targets", lambda *a, **k: [("s@oldest", "R", "a1"), ("s@abc (before f00, gpt: a fix)", "R", "b2")])
     monkeypatch.setattr(module, "verify_one", lambda label, repo, ref, python, folder, model=None, layouts=None:
                         calls.append((label, layouts)) or {"label": label, "ref": ref, "error": "stood in"})
     return module, calls
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--sampled"], [("s@oldest", "none"), ("s@abc", "none")]),
-    (["--sampled", "--layouts", "tp2"], [("s@oldest", "tp2"), ("s@abc", "tp2")]),
-    ([], [("s@oldest", None), ("s@abc", None)]),
+    (["--sampled"], [("s@oldest", "none"), (ABC, "none")]),
+    (["--sampled", "--layouts", "tp2"], [("s@oldest", "tp2"), (ABC, "tp2")]),
+    ([], [("s@oldest", None), (ABC, None)]),
     (["--sampled", "--only", "*@oldest"], [("s@oldest", "none")]),
+    (["--sampled", "--only", "s@abc"], [(ABC, "none")]),  # the commit's label without why it was sampled
 ])
 def test_what_each_ref_verifies(tool, tmp_path, argv, expected):
     module, calls = tool
     assert module.main(["--repo", "R", "--keep", str(tmp_path), *argv]) == 1  # the stand-in results are errors
     assert calls == expected
+
+
+def test_a_glob_that_matches_nothing_is_an_error_not_an_empty_green_run(tool, tmp_path, capsys):
+    module, calls = tool
+    assert module.main(["--repo", "R", "--keep", str(tmp_path), "--sampled", "--only", "s@f00"]) == 2
+    assert calls == []
+    assert "no ref's label matches --only 's@f00'" in capsys.readouterr().err
