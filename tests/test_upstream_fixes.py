@@ -924,11 +924,16 @@ def test_where_te_is_installed_bridge_imports_it_through_the_ports_guard(tmp_pat
     (package / "__init__.py").write_text("")
     (package / "pytorch.py").write_text("class ops:\n    class Sequential:\n        pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    modules = __import__("sys").modules
     for name in ("transformer_engine", "transformer_engine.pytorch"):
-        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
-    module = _bridge_module(BRIDGE_LORA_LAYERS, _bridge_by_the_port)
-    assert module.te.__name__ == "transformer_engine.pytorch"
-    assert isinstance(module.TEFusedLoRALinear()._make_fused_branches()[0], module.te.ops.Sequential)
+        monkeypatch.delitem(modules, name, raising=False)
+    try:
+        module = _bridge_module(BRIDGE_LORA_LAYERS, _bridge_by_the_port)
+        assert module.te.__name__ == "transformer_engine.pytorch"
+        assert isinstance(module.TEFusedLoRALinear()._make_fused_branches()[0], module.te.ops.Sequential)
+    finally:  # the stand-in TE leaves with the test: a later test is told TE is not installed
+        for name in ("transformer_engine.pytorch", "transformer_engine"):
+            modules.pop(name, None)
 
 
 def test_where_bridge_guards_its_te_import_the_port_leaves_it_alone():
@@ -936,6 +941,47 @@ def test_where_bridge_guards_its_te_import_the_port_leaves_it_alone():
                                          "try:\n    import transformer_engine.pytorch as te\nexcept ImportError:\n"
                                          "    te = None\n")
     assert port_support.load().upstream_fixes._fixed_module_code(BRIDGE_LORA_NAME, guarded, "x.py") is None
+
+
+# -- the nano-v3-vl snapshot's unguarded TE import (megatron.training imports the projector) ---------
+
+#: fa48608a3d's megatron/core/models/vision/multimodal_projector.py, as far as the import and its one use go
+PROJECTOR = '''
+import torch
+
+from transformer_engine.pytorch.distributed import checkpoint as te_checkpoint
+
+
+def checkpointed_forward(forward_func, hidden_states):
+    use_te = False
+    if use_te:
+        return te_checkpoint(forward_func, hidden_states)
+    return forward_func(hidden_states)
+'''
+PROJECTOR_NAME = "megatron.core.models.vision.multimodal_projector"
+
+
+def test_the_snapshot_s_projector_needs_te_and_the_port_imports_it_without(tmp_path):
+    import types
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed here: the snapshot's import succeeds")
+    with pytest.raises(ModuleNotFoundError, match="transformer_engine") as raised:
+        exec(compile(PROJECTOR, "multimodal_projector.py", "exec"), {})
+    # unported upstream (the parity baseline) is served by the TE import stub, written apart
+    assert registry.pick([failure.from_exception(raised.value)], []) == "transformer-engine"
+    module = types.ModuleType(PROJECTOR_NAME)
+    code = port_support.load().upstream_fixes._fixed_module_code(PROJECTOR_NAME, PROJECTOR, "multimodal_projector.py")
+    assert code is not None
+    exec(code, module.__dict__)
+    assert module.te_checkpoint is None
+    hidden = torch.randn(2, 3)
+    assert torch.equal(module.checkpointed_forward(lambda x: x * 2, hidden), hidden * 2)
+
+
+def test_where_the_projector_imports_no_te_the_port_leaves_it_alone():
+    main_s = PROJECTOR.replace("from transformer_engine.pytorch.distributed import checkpoint as te_checkpoint\n", "")
+    assert port_support.load().upstream_fixes._fixed_module_code(PROJECTOR_NAME, main_s, "x.py") is None
 
 
 #: The shape of upstream 8fba594837 … b5836f82f6 (2025-01-09 … 02-10): the attention base class takes

@@ -291,6 +291,24 @@ def _import_guarded(statement: ast.stmt, name: str) -> ast.Try:
     return ast.copy_location(ast.Try(body=[statement], handlers=[handler], orelse=[], finalbody=[]), statement)
 
 
+class _ImportFromGuarded(ast.NodeTransformer):
+    """A module-level ``from MODULE import NAME [as ALIAS]`` -> the same inside ``try``, the bound
+    name None on ImportError (:func:`_import_guarded`): one source fix for each module that imports
+    a TransformerEngine name unguarded where its code only uses it when TE is there. A row of
+    ``upstream_fixes._SOURCE_FIXES`` binds MODULE and NAME (``functools.partial``)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name, self.found = module, name, False
+
+    def visit_Module(self, node):
+        for index, statement in enumerate(node.body):
+            if (isinstance(statement, ast.ImportFrom) and statement.module == self.module
+                    and [alias.name for alias in statement.names] == [self.name]):
+                node.body[index] = _import_guarded(statement, statement.names[0].asname or self.name)
+                self.found = True
+        return node
+
+
 class _BridgeTeImportGuarded(ast.NodeTransformer):
     """A module-level ``import transformer_engine.pytorch as te`` -> the same inside ``try`` with
     ``te = None`` on ImportError, and the module's annotations deferred (``from __future__ import

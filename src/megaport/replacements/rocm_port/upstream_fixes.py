@@ -14,7 +14,7 @@ import math
 import torch
 
 from .say import say_once
-from .te_absent import _BRIDGE_LORA, _BridgeTeImportGuarded, _import_guarded
+from .te_absent import _BRIDGE_LORA, _BridgeTeImportGuarded, _ImportFromGuarded
 
 _NO_RANKS = ("parallel_state asked for a process group of no ranks (upstream 9208adbdc7 ... e43abe7dfa, context "
              "parallelism > 1): none is made, every rank is outside it, as upstream's fix stopped asking for it")
@@ -434,20 +434,9 @@ _TE_IMPORT_GUARDED = ("language_module imports TransformerEngine's parallel cros
                       "upstream's 028729b9bc does (its unguarded import stopped every model without TE)")
 
 
-class _TeCrossEntropyImportGuarded(ast.NodeTransformer):
-    """A module-level ``from megatron.core.extensions.transformer_engine import te_parallel_cross_entropy``
-    -> the same inside ``try`` with the name None on ImportError: upstream's 028729b9bc, the one
-    statement it changed."""
-
-    found = False
-
-    def visit_Module(self, node):
-        for index, statement in enumerate(node.body):
-            if (isinstance(statement, ast.ImportFrom) and statement.module == "megatron.core.extensions.transformer_engine"
-                    and [alias.name for alias in statement.names] == ["te_parallel_cross_entropy"]):
-                node.body[index] = _import_guarded(statement, "te_parallel_cross_entropy")
-                self.found = True
-        return node
+_PROJECTOR_TE_IMPORT = ("the multimodal projector imports TransformerEngine's checkpoint where TE is installed (the "
+                        "nano-v3-vl snapshot imports it unguarded, from megatron.training's tokenizer, and never calls "
+                        "it: its use_te is False)")
 
 
 def _fixed_module_code(fullname: str, source: str, filename: str):
@@ -471,7 +460,12 @@ def _fixed_module_code(fullname: str, source: str, filename: str):
 #: port serves TE's absence there), before it runs. One row per module.
 _SOURCE_FIXES = {
     # main eaf9408232 (2025-03-08) … 028729b9bc (2025-03-15)
-    "megatron.core.models.common.language_module.language_module": ((_TeCrossEntropyImportGuarded, _TE_IMPORT_GUARDED),),
+    "megatron.core.models.common.language_module.language_module": (
+        (functools.partial(_ImportFromGuarded, "megatron.core.extensions.transformer_engine", "te_parallel_cross_entropy"),
+         _TE_IMPORT_GUARDED),),
+    # the nano-v3-vl snapshot branch (2026-04-21): megatron.training imports it, so nothing trained without TE
+    "megatron.core.models.vision.multimodal_projector": (
+        (functools.partial(_ImportFromGuarded, "transformer_engine.pytorch.distributed", "checkpoint"), _PROJECTOR_TE_IMPORT),),
     # Megatron-Bridge, where upstream's docs convert Llama since 2026-05 (its namespace is megatron's)
     "megatron.bridge.peft.lora_layers": ((_BridgeTeImportGuarded, _BRIDGE_LORA),),
 }
