@@ -13,7 +13,11 @@ import pytest
 from megaport.train import hf_in, hf_models
 
 
-def _tree(tmp_path, *files: str, parser: str = "group.add_argument('--rotary-base', type=int)\n") -> str:
+def _tree(tmp_path, *files: str, parser: str = "group.add_argument('--rotary-base', type=int)\n",
+          entry_point: bool = True) -> str:
+    if entry_point:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pretrain_gpt.py").write_text("")
     for name in files:
         path = tmp_path / "tools" / "checkpoint" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +64,16 @@ def test_a_tree_older_than_the_loader_is_not_told_of_its_removal(tmp_path):
     """main 2023-10 has no Llama loader yet: its report said upstream removed it in May 2026."""
     why = hf_in.absent(_tree(tmp_path, "util.py", "loader_megatron.py"), "llama")
     assert "loader_llama_mistral.py" in why and "2026" not in why and "Megatron-Bridge" not in why
+
+
+def test_a_branch_without_the_entry_points_lists_the_rows_not_fails_them(tmp_path):
+    """The nano-v3-vl snapshot (2026-04-21) kept tools/checkpoint but not pretrain_gpt.py (nor the
+    model_provider.py its saver imports): its rows failed in the converter."""
+    tree = _tree(tmp_path, "saver_core.py", "loader_llama_mistral.py", "loader_mixtral_hf.py", entry_point=False)
+    for family in hf_in.SOURCES:
+        assert "no pretrain_gpt.py" in hf_in.absent(tree, family)
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert all(hf_in.absent(tree, family) is None for family in hf_in.SOURCES)
 
 
 def test_the_saver_is_the_eras_core_format_one(tmp_path):

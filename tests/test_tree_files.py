@@ -57,10 +57,10 @@ def test_era_facts_come_from_the_unported_commit_not_the_ported_files(tmp_path):
     tree = _ported_tree(tmp_path,
                         {"tools/checkpoint/loader_llama_mistral.py": "'llama3'\n",
                          "tools/checkpoint/saver_core.py": "",
-                         "pretrain_bert.py": "", "pretrain_t5.py": "",
+                         "pretrain_bert.py": "", "pretrain_t5.py": "", "pretrain_gpt.py": "",
                          "megatron/training/arguments.py": "group.add_argument('--rotary-base', type=int)\n"},
                         {"tools/checkpoint/loader_llama_mistral.py": None,
-                         "pretrain_bert.py": None, "pretrain_t5.py": None,
+                         "pretrain_bert.py": None, "pretrain_t5.py": None, "pretrain_gpt.py": None,
                          "tools/checkpoint/saver_core.py": None,
                          "megatron/training/arguments.py": "# the series broke the parser\n"})
     assert tree_text(tree, "megatron/training/arguments.py").startswith("group.add_argument")

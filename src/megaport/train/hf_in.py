@@ -121,6 +121,10 @@ SOURCES = {s.family: s for s in (
 )}
 
 
+#: what trains the converted weights (step 3), Llama's and Mixtral's alike
+ENTRY_POINT = "pretrain_gpt.py"
+
+
 def saver(tree: str) -> str:
     """The docs' ``--saver`` for Megatron Core's format: ``core`` from core 0.13, ``mcore`` before."""
     return "core" if tree_files.first_file(tree, "tools/checkpoint/saver_core.py") else "mcore"
@@ -131,6 +135,10 @@ def absent(tree: str, family: str) -> str | None:
     read from the unported commit (:mod:`megaport.train.tree_files`): a series that dropped a loader
     must fail the row, not remove it."""
     source = SOURCES[family]
+    if not tree_files.first_file(tree, ENTRY_POINT):
+        # the nano-v3-vl snapshot (2026-04-21) kept the converter but not the entry points, nor the
+        # model_provider.py its saver imports
+        return f"the tree has no {ENTRY_POINT}, which trains the converted weights (a branch without the entry points)"
     if through_bridge(tree, family):
         return None
     if not tree_files.first_file(tree, f"tools/checkpoint/{source.loader}.py"):
@@ -241,7 +249,7 @@ def launch_command(family: str, hf: str, checkpoint: str, prefix: str, tp: int, 
     shape = hf_models.SIZES[family] if bridge else source.size_flags
     sizes = [str(item) for flag in shape for item in (flag, hf_models.SIZES[family][flag])]
     expert = ["--expert-model-parallel-size", str(ep)] if any(e > 1 for _, e in source.layouts) else []
-    target = ["-m", "megaport.train.launch", *([] if gpu else ["--cpu"]), "pretrain_gpt.py",
+    target = ["-m", "megaport.train.launch", *([] if gpu else ["--cpu"]), ENTRY_POINT,
               "--tensor-model-parallel-size", str(tp), *expert, *source.launch_flags, *sizes,
               "--tokenizer-model", hf, "--load", checkpoint,
               "--seq-length", str(hf_models.SEQ), "--max-position-embeddings", str(hf_models.POSITIONS),
