@@ -184,6 +184,41 @@ def test_apex_layer_norm_builds_the_port_norm_for_rms_norm_only(rp):
     assert type(layer) is module.FusedLayerNorm and layer.hidden_size == 8
 
 
+def _upstream_te_norm():
+    """upstream's TENorm wrapper without TE (megatron/core/extensions/transformer_engine.py)."""
+    class TENorm:
+        def __new__(cls, config, hidden_size, eps=1e-5):
+            raise ImportError("Transformer Engine is not installed. Please install it with "
+                              "`pip install transformer-engine`.")
+
+    TENorm.__module__ = "megatron.core.extensions.transformer_engine"
+    return TENorm
+
+
+def test_a_block_that_bound_upstreams_te_norm_builds_the_port_norm(rp):
+    """The nano-v3-vl snapshot's transformer block imports TENorm unguarded (the extension module
+    imports without TE) and makes it its LayerNormImpl: no model built without TE, ported or not."""
+    te_norm = _upstream_te_norm()
+    block = types.SimpleNamespace(TENorm=te_norm, LayerNormImpl=te_norm, __name__="megatron.core.transformer."
+                                                                                   "transformer_block")
+    with pytest.raises(ImportError, match="Transformer Engine is not installed"):
+        block.LayerNormImpl(_config("RMSNorm"), 8)
+    rp.te_features._te_norm_is_the_port_norm(block)
+    assert block.TENorm is rp.Norm and block.LayerNormImpl is rp.Norm
+    norm = block.LayerNormImpl(config=_config("RMSNorm", False), hidden_size=8, eps=1e-6)
+    assert isinstance(norm, rp.Norm) and norm.normalization == "RMSNorm"
+
+
+def test_a_module_s_own_norm_implementation_is_left_alone(rp):
+    """Where LayerNormImpl is not TE's (apex's, torch's), the port's step leaves it."""
+    class WrappedTorchNorm:
+        pass
+
+    block = types.SimpleNamespace(LayerNormImpl=WrappedTorchNorm, __file__=None)
+    rp.te_features._te_norm_is_the_port_norm(block)
+    assert block.LayerNormImpl is WrappedTorchNorm
+
+
 def test_torch_norm_builds_the_port_norm_for_zero_centered_gamma(rp):
     class WrappedTorchNorm:
         def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,

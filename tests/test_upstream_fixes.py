@@ -968,8 +968,13 @@ def test_the_snapshot_s_projector_needs_te_and_the_port_imports_it_without(tmp_p
         pytest.skip("TransformerEngine is installed here: the snapshot's import succeeds")
     with pytest.raises(ModuleNotFoundError, match="transformer_engine") as raised:
         exec(compile(PROJECTOR, "multimodal_projector.py", "exec"), {})
-    # unported upstream (the parity baseline) is served by the TE import stub, written apart
-    assert registry.pick([failure.from_exception(raised.value)], []) == "transformer-engine"
+    # unported upstream (the parity baseline) is answered by its own shim, written apart, before the TE
+    # import stub (with which the FP8 helpers believe TE is there and import its tensor classes)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "te-projector-import"
+    shim = registry.REGISTRY["te-projector-import"]
+    served: dict = {}
+    exec(compile(shim.guarded_import(PROJECTOR), "multimodal_projector.py", "exec"), served)
+    assert served["te_checkpoint"] is None
     module = types.ModuleType(PROJECTOR_NAME)
     code = port_support.load().upstream_fixes._fixed_module_code(PROJECTOR_NAME, PROJECTOR, "multimodal_projector.py")
     assert code is not None
@@ -982,6 +987,7 @@ def test_the_snapshot_s_projector_needs_te_and_the_port_imports_it_without(tmp_p
 def test_where_the_projector_imports_no_te_the_port_leaves_it_alone():
     main_s = PROJECTOR.replace("from transformer_engine.pytorch.distributed import checkpoint as te_checkpoint\n", "")
     assert port_support.load().upstream_fixes._fixed_module_code(PROJECTOR_NAME, main_s, "x.py") is None
+    assert registry.REGISTRY["te-projector-import"].guarded_import(main_s) == main_s
 
 
 #: The shape of upstream 8fba594837 … b5836f82f6 (2025-01-09 … 02-10): the attention base class takes

@@ -153,11 +153,22 @@ def _names(module, name: str) -> bool:
         return True
 
 
+#: where upstream's TENorm wrapper lives: without TE it raises as it is built ("Transformer Engine is
+#: not installed"), so a module that bound it (the nano-v3-vl snapshot's transformer block imports it
+#: unguarded, the extension module importing without TE, and makes it its LayerNormImpl) builds no model
+_TE_EXTENSIONS = "megatron.core.extensions.transformer_engine"
+
+
 def _te_norm_is_the_port_norm(module) -> None:
     """``TENorm`` (and ``LayerNormImpl`` where it is TE's) is the port's :class:`Norm`: the MoE and
-    MLA specs name it with no guard (a NameError, or None built as a module, without TE)."""
-    if getattr(module, "TENorm", None) is None and _names(module, "TENorm"):
+    MLA specs name it with no guard (a NameError, or None built as a module, without TE), and a
+    module that bound upstream's wrapper would build one that raises."""
+    bound = getattr(module, "TENorm", None)
+    upstreams = bound is not None and getattr(bound, "__module__", None) == _TE_EXTENSIONS
+    if (bound is None and _names(module, "TENorm")) or upstreams:
         module.TENorm = Norm
+        if upstreams and getattr(module, "LayerNormImpl", None) is bound:
+            module.LayerNormImpl = Norm
         say_once("TransformerEngine is not installed: TENorm is the port's PyTorch norm "
                  "(LayerNorm or RMSNorm, zero-centered gamma as TE)")
 

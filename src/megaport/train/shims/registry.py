@@ -12,13 +12,13 @@ from megaport.train.shims import (apex_pytorch, bert_te_spec, chained_clip_total
                                   fused_kernel_build, grouped_gemm_loop, kernel_masked_rows, layer_count_mpu, mla_attention,
                                   mla_sequence_len_offset, moe_spec_use_te,
                                   overlap_gather_save, stack_names,
-                                  t5_decoder_output_pads, te_cross_entropy_import,
+                                  t5_decoder_output_pads, te_cross_entropy_import, te_projector_import,
                                   te_import_stub, te_norm, te_spec, torch_load_trusting, transformers_sentinels,
                                   wgrad_contiguous)
 
 #: Every shim, in the order a failure is offered to them (the first whose pattern matches answers).
 REGISTRY = {shim.NAME: shim for shim in (
-    te_cross_entropy_import, te_import_stub, stack_names, apex_pytorch, fused_kernel_build, te_norm, te_spec, bert_te_spec,
+    te_cross_entropy_import, te_projector_import, te_import_stub, stack_names, apex_pytorch, fused_kernel_build, te_norm, te_spec, bert_te_spec,
     deepspeed_compression, wgrad_contiguous, fork_attention_view, deepspeed_tensor_types, fork_deepspeed_train, fork_legacy_mpu,
     deepspeed_loss_scale, fork_t5_moe_losses, fork_bert_moe_losses, fork_t5_loss, grouped_gemm_loop, mla_attention,
     mla_sequence_len_offset, kernel_masked_rows, fork_fp16_loss_scale, transformers_sentinels, fp8_shard_without_te,

@@ -9,6 +9,7 @@ out), apart from the port's norm: a fault there must show as a parity failure.
 
 from __future__ import annotations
 
+import importlib.util
 
 import torch
 
@@ -18,7 +19,8 @@ from megaport.train.tree_files import tree_says
 
 NAME = "te-norm"
 DESCRIPTION = ("TransformerEngine's norm in plain PyTorch (RMSNorm/LayerNorm, zero-centered gamma) where upstream's "
-               "torch or apex norm refuses the config, or a spec names TENorm without TE; moe_utils' te_general_gemm, "
+               "torch or apex norm refuses the config, or a spec names TENorm without TE (or binds upstream's TENorm "
+               "wrapper, which refuses to build without TE); moe_utils' te_general_gemm, "
                "left undefined without TE in core 0.14-0.15, None (upstream's own no-TE value)")
 ERAS = "E6-E8 (main 2024-06 on): Llama 3, Mixtral and DeepSeek-V2 specs"
 REPRODUCES = "TransformerEngine's TENorm (te.pytorch.RMSNorm/LayerNorm, zero_centered_gamma)"
@@ -29,7 +31,9 @@ PATTERN = (Match(("AssertionError",), message=r"zero_centered_gamma not supporte
            Match(("NameError",), message=r"name 'TENorm' is not defined"),
            Match(("NameError",), message=r"name 'te_general_gemm' is not defined"),
            # 2024's TENorm (with the transformer-engine stub) building TE's RMSNorm for the final norm
-           Match(("TransformerEngineStubUsed",), code=r"te\.pytorch\.RMSNorm\("))
+           Match(("TransformerEngineStubUsed",), code=r"te\.pytorch\.RMSNorm\("),
+           # upstream's TENorm wrapper built without TE (the nano-v3-vl snapshot's block binds it unguarded)
+           Match(("ImportError",), message=r"Transformer Engine is not installed.* when instantiating TENorm"))
 
 _TE_NORM_MODULES = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.gpt.moe_module_specs",
                     "megatron.core.models.backends", "megatron.core.transformer.attention",
@@ -106,9 +110,20 @@ def apex_norm(module) -> None:
         _build_when(module.FusedLayerNorm, lambda c: c.normalization != "LayerNorm")
 
 
+#: upstream's TENorm wrapper, which raises as it is built where TE is not installed
+_WRAPPER_MODULE = "megatron.core.extensions.transformer_engine"
+
+
 def te_norm_name(module) -> None:
-    if getattr(module, "TENorm", None) is None:
+    """TENorm where a module names it: undefined or None without TE, or upstream's wrapper, which
+    without TE refuses to build (and the block's LayerNormImpl with it, where that is the wrapper)."""
+    named = getattr(module, "TENorm", None)
+    wrapper = (named is not None and getattr(named, "__module__", None) == _WRAPPER_MODULE
+               and importlib.util.find_spec("transformer_engine") is None)
+    if named is None or wrapper:
         module.TENorm = TENormInTorch
+    if wrapper and getattr(module, "LayerNormImpl", None) is named:
+        module.LayerNormImpl = TENormInTorch
 
 
 def router_gemm_helper(module) -> None:
