@@ -11,9 +11,8 @@ port fixes the same window in its own way (``rocm_port.upstream_fixes._SOURCE_FI
 
 from __future__ import annotations
 
-from megaport.train.hooks import source_fix
+from megaport.train.shims._import_guard import import_guard
 from megaport.train.shims._pattern import Match
-from megaport.train.tree_files import tree_says
 
 NAME = "te-cross-entropy-import"
 DESCRIPTION = ("main 2025-03-08 (eaf9408232) … 2025-03-15 (028729b9bc): language_module imported TransformerEngine's "
@@ -30,14 +29,4 @@ FIXED = ("\ntry:\n    from megatron.core.extensions.transformer_engine import te
 PATTERN = (Match(("ModuleNotFoundError",), module=r"transformer_engine(\..*)?", file=r"language_module\.py"),)
 
 
-def applies(tree: str) -> bool:
-    """Whether the unported ``tree``'s language module has the window's unguarded import."""
-    return tree_says(tree, FILE, BROKEN)
-
-
-def guarded_import(source: str) -> str:
-    return source.replace(BROKEN, FIXED, 1)
-
-
-def install() -> None:
-    source_fix(MODULE, guarded_import)
+applies, guarded_import, install = import_guard(MODULE, FILE, BROKEN, FIXED)

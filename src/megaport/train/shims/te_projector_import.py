@@ -13,9 +13,8 @@ there and import its tensor classes). The port fixes it its own way
 
 from __future__ import annotations
 
-from megaport.train.hooks import source_fix
+from megaport.train.shims._import_guard import import_guard
 from megaport.train.shims._pattern import Match
-from megaport.train.tree_files import tree_says
 
 NAME = "te-projector-import"
 DESCRIPTION = ("nano-v3-vl (2026-04-21): the multimodal projector imported TransformerEngine's checkpoint unguarded "
@@ -30,14 +29,4 @@ GUARDED = ("\ntry:\n    from transformer_engine.pytorch.distributed import check
 PATTERN = (Match(("ModuleNotFoundError",), module=r"transformer_engine(\..*)?", file=r"multimodal_projector\.py"),)
 
 
-def applies(tree: str) -> bool:
-    """Whether the unported ``tree``'s projector has the snapshot's unguarded import."""
-    return tree_says(tree, FILE, BROKEN)
-
-
-def guarded_import(source: str) -> str:
-    return source.replace(BROKEN, GUARDED, 1)
-
-
-def install() -> None:
-    source_fix(MODULE, guarded_import)
+applies, guarded_import, install = import_guard(MODULE, FILE, BROKEN, GUARDED)
