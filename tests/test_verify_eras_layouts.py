@@ -21,7 +21,7 @@ def tool(monkeypatch):
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader("verify_eras", loader))
     loader.exec_module(module)
     calls = []
-    monkeypatch.setattr(module, "targets", lambda *a, **k: [("s@oldest", "R", "a1"), ("s@abc (before f00, gpt: a fix)", "R", "b2")])
+    monkeypatch.setattr(module, "targets", lambda *a, **k: [("s@oldest", "R", "a1"), (ABC, "R", "b2")])
     monkeypatch.setattr(module, "verify_one", lambda label, repo, ref, python, folder, model=None, layouts=None:
                         calls.append((label, layouts)) or {"label": label, "ref": ref, "error": "stood in"})
     return module, calls

@@ -393,7 +393,7 @@ def hf_row(compared: dict) -> str:
     verdict = "equals" if not compared.get("problems") else "FAILS: differs from"
     return (f"loss {compared['loss']:.6f} {verdict} transformers {compared['transformers']}'s "
             f"{compared['transformers_loss']:.6f} ({compared['relative_difference']:.1e}); converted by "
-            f"{compared.get('converter') or 'upstream' + chr(39) + 's tools/checkpoint/convert.py'} as "
+            f"{compared['converter']} as "
             f"{compared['docs']} runs it")
 
 

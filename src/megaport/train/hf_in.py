@@ -282,18 +282,17 @@ def round_trip(tree: str, family: str, tp: int, workdir: str, env: dict | None =
     checkpoint = os.path.join(workdir, f"converted-{family}-" + ("bridge" if bridge else layout_name(tp, ep)))
     convert = convert_command(tree, family, hf, checkpoint, tp, gpu, ep)
     done = os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt"))
-    converted = "" if bridge and done else _run(convert, tree, tool_env,
-                                                 "Megatron-Bridge's import" if bridge else "upstream's converter")
+    converter = "Megatron-Bridge's import" if bridge else "upstream's converter"
+    converted = "" if bridge and done else _run(convert, tree, tool_env, converter)
     if not os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")):
         # convert.py exits 0 when its loader or saver process dies: what they said is the cause
         errors = [line for line in converted.splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
-        raise RuntimeError(f"{'Megatron-Bridge' if bridge else 'upstream' + chr(39) + 's converter'} wrote no "
-                           f"checkpoint in {checkpoint}"
+        raise RuntimeError(f"{converter} wrote no checkpoint in {checkpoint}"
                            + (f": {errors[-1].strip()}" if errors else ""))
     launch = launch_command(family, hf, checkpoint, prefix, tp, gpu, ep, bridge=bridge)
-    trained = log.parse_log(_run(launch, tree, run_env, "pretrain_gpt.py on the converted checkpoint"))
+    trained = log.parse_log(_run(launch, tree, run_env, f"{ENTRY_POINT} on the converted checkpoint"))
     if not trained:
-        raise RuntimeError("pretrain_gpt.py logged no iteration on the converted checkpoint")
+        raise RuntimeError(f"{ENTRY_POINT} logged no iteration on the converted checkpoint")
     loss, reference = trained[0].loss, made["loss"]
     difference = abs(loss - reference) / abs(reference)
     problems = [] if difference <= TOLERANCE else [

@@ -164,10 +164,10 @@ def _te_norm_is_the_port_norm(module) -> None:
     MLA specs name it with no guard (a NameError, or None built as a module, without TE), and a
     module that bound upstream's wrapper would build one that raises."""
     bound = getattr(module, "TENorm", None)
-    upstreams = bound is not None and getattr(bound, "__module__", None) == _TE_EXTENSIONS
-    if (bound is None and _names(module, "TENorm")) or upstreams:
+    wrapper = bound is not None and getattr(bound, "__module__", None) == _TE_EXTENSIONS
+    if (bound is None and _names(module, "TENorm")) or wrapper:
         module.TENorm = Norm
-        if upstreams and getattr(module, "LayerNormImpl", None) is bound:
+        if wrapper and getattr(module, "LayerNormImpl", None) is bound:
             module.LayerNormImpl = Norm
         say_once("TransformerEngine is not installed: TENorm is the port's PyTorch norm "
                  "(LayerNorm or RMSNorm, zero-centered gamma as TE)")
