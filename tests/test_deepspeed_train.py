@@ -98,6 +98,30 @@ def test_a_layouts_micro_batch_and_pipeline_stages_reach_deepspeeds_engine(tmp_p
     assert any("--no-pipeline-parallel left out" in note for note in fork.notes)
 
 
+def test_a_run_leaving_fp16_out_turns_the_deepspeed_configs_fp16_off_too(tmp_path):
+    tree = fork_tree(tmp_path / "tree")
+    fork = deepspeed_example.fork_example(str(tree), str(tmp_path), example.Sizes(),
+                                          left_out={"--fp16": "compared in fp32"})
+    assert "--fp16" not in fork.tokens and "--exit-interval" in fork.tokens
+    assert "--fp16 left out (compared in fp32)" in fork.notes
+    written = json.loads((tmp_path / "ds_config.json").read_text())
+    assert written["fp16"] == {"enabled": False, "initial_scale_power": 12}  # else DeepSpeed halves the model
+
+
+def test_the_forks_gpt_layouts_are_compared_in_fp32_and_upstreams_are_not(tmp_path):
+    from megaport.train.families import registry
+
+    gpt = registry.get("gpt")
+    assert [flag for flag, _ in gpt.layout_left_out(str(fork_tree(tmp_path / "fork")))] == ["--fp16"]
+    upstream = tmp_path / "up"
+    upstream.mkdir()
+    (upstream / "pretrain_gpt.py").write_text("import torch\nfrom megatron import get_args\n")
+    assert gpt.layout_left_out(str(upstream)) == ()
+    cmd = pretrain.command(pretrain.Run(tree=str(fork_tree(tmp_path / "f2")), left_out=gpt.layout_left_out(
+        str(tmp_path / "fork"))), str(tmp_path), port=29500)
+    assert "--fp16" not in cmd.argv
+
+
 def test_megatron_engine_leaves_the_deepspeed_flags_out(tmp_path):
     tree = fork_tree(tmp_path / "tree", layout="examples")
     fork = deepspeed_example.fork_example(str(tree), str(tmp_path), example.Sizes(), engine="megatron")

@@ -27,6 +27,8 @@ from megaport.train.tree_files import first_file, tree_text
 SCRIPTS = ("examples_deepspeed/run_deepspeed_example.sh", "examples/run_deepspeed_example.sh")
 ENGINES = ("deepspeed", "megatron")
 ZERO_STAGE = 1
+#: Megatron's fp16 flag, which the script's DeepSpeed config repeats (its "fp16" block)
+FP16 = "--fp16"
 DESCRIBE = {"deepspeed": f"DeepSpeed's engine (--deepspeed, ZeRO stage {ZERO_STAGE})",
             "megatron": "Megatron's own training loop (the example's DeepSpeed flags left out)"}
 _ASSIGNMENT = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=([^\s;|&]*)\s*$")
@@ -91,13 +93,15 @@ def config_template(text: str) -> dict:
 
 
 def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "deepspeed", *,
-                 micro_batch: int | None = None, pipeline: bool = False) -> ForkExample | None:
+                 micro_batch: int | None = None, pipeline: bool = False,
+                 left_out: dict | None = None) -> ForkExample | None:
     """The fork's example for a run in ``workdir`` (its DeepSpeed config is written there), or None
     when ``tree`` is not a fork tree with the script. ``micro_batch``: a layout's micro-batch (data
     parallel ranks each take whole micro-batches of the run's global batch; DeepSpeed's config says
     both, and DeepSpeed derives gradient accumulation from them and the data-parallel ranks);
     ``pipeline``: the layout has pipeline stages, which the fork trains through DeepSpeed's
-    pipeline engine (the example's ``--no-pipeline-parallel`` left out)."""
+    pipeline engine (the example's ``--no-pipeline-parallel`` left out); ``left_out``: the script's
+    flags the run leaves out, ``{flag: why}`` (``--fp16`` also turns the config's fp16 off)."""
     rel = script_path(tree) if is_deepspeed_tree(tree) else None
     if rel is None:
         return None
@@ -107,6 +111,7 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     command = "\n".join(re.sub(r"\|.*$", "", line) for line in text.splitlines() if not line.lstrip().startswith("ds_args="))
     tokens = example.script_flags(re.sub(r"\$\{?ds_args\}?", " ", command))
     notes = [f"flags of {rel} of the tree (the fork's GPT example), changed in size, iterations and data only"]
+    tokens = _without(tokens, left_out or {}, notes)
     config = config_template(text)
     ds = deepspeed_flags(text)
     if engine == "megatron":
@@ -140,6 +145,8 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     if not stage_given:
         out += ["--zero-stage", str(ZERO_STAGE)]
     run_config = dict(config)
+    if FP16 in (left_out or {}) and run_config.get("fp16"):
+        run_config["fp16"] = {**run_config["fp16"], "enabled": False}  # DeepSpeed's engine halves the model itself
     run_config.update(train_batch_size=sizes.batch, train_micro_batch_size_per_gpu=micro_batch or sizes.batch)
     run_config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": ZERO_STAGE}
     run_config["steps_per_print"] = max(int(config.get("steps_per_print", 1)), sizes.steps + 1)
@@ -149,6 +156,17 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     notes.append(f"{DESCRIBE['deepspeed']}; DeepSpeed config: the script's, with the run's batch sizes and "
                  f"stage {ZERO_STAGE}: {json.dumps(run_config, sort_keys=True)}")
     return ForkExample(rel, tokens, out, run_config, notes)
+
+
+def _without(tokens: list, left_out: dict, notes: list) -> list:
+    """The script's flags less those the run leaves out, each said once."""
+    out = []
+    for flag, values in example.group_flags(tokens):
+        if flag in left_out:
+            notes.append(f"{flag} left out ({left_out[flag]})")
+        else:
+            out += [flag, *values]
+    return out
 
 
 #: Where DeepSpeed's engine cannot run the tree here, not a failure of the port: what the failed run

@@ -111,7 +111,8 @@ def command(run: Run, workdir: str, *, port: int | None = None) -> Command:
     layout = layouts.get(run.layout)
     fork = deepspeed_example.fork_example(
         run.tree, workdir, run.sizes, run.engine, micro_batch=layout.micro_batch,
-        pipeline="--pipeline-model-parallel-size" in layout.flags) if family.fork_example else None
+        pipeline="--pipeline-model-parallel-size" in layout.flags,
+        left_out=dict(run.left_out)) if family.fork_example else None
     if fork is not None:
         tokens, notes = fork.tokens, list(fork.notes)
     else:
