@@ -61,7 +61,7 @@ def test_every_shim_is_a_module_with_its_description_and_pattern():
 
     up_front = {name for family in families.FAMILIES.values() for name in family.baseline_shims}
     up_front |= set(baseline.LOADING_SHIMS) | set(cross_load.WRITING)
-    assert len(registry.REGISTRY) == 38
+    assert len(registry.REGISTRY) == 39
     for name, shim in registry.REGISTRY.items():
         assert shim.NAME == name
         for field in ("DESCRIPTION", "ERAS", "REPRODUCES"):
@@ -1097,3 +1097,58 @@ def test_dcp_write_item_answers_the_writer_of_core_0_5_to_0_12_and_writes_with_t
     module._write_item(filesystem._StorageWriterTransforms(), stream, tensor, item, "__1_0.distcp")
     stream.seek(0)
     assert torch.equal(torch.load(stream, weights_only=True), tensor)
+
+
+def test_save_plan_iobytes_once_answers_the_global_plan_and_plans_each_byte_object_once():
+    """Unported main 2024-08 (101c08e74a) saving its DP2 + distributed-optimizer checkpoint for the
+    cross-load check: its planner added a non-coordinator rank's byte objects to a plan today's torch
+    had already put them in, and torch's global plan refused them (the training loop saw only the
+    CheckpointException of the plan's reduce_scatter). With the shim each is planned once and the
+    global plan is made."""
+    import io
+    import types
+
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import (create_default_global_save_plan,
+                                                              create_default_local_save_plan)
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+    from megaport.train.shims import save_plan_iobytes_once
+
+    died = failure.Failure("CheckpointException", "CheckpointException ranks:dict_keys([0])", (
+        failure.Frame("/tmp/u/megatron/training/checkpointing.py", 405, "save_checkpoint", "dist_checkpointing.save(...)"),
+        failure.Frame("/tmp/u/megatron/core/dist_checkpointing/strategies/state_dict_saver.py", 108,
+                      "save_state_dict_async_plan",
+                      'central_plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)'),
+        failure.Frame(f"{os.path.dirname(torch.__file__)}/distributed/checkpoint/utils.py", 221, "reduce_scatter",
+                      "raise result")))
+    assert registry.pick([died], have=()) == "save-plan-iobytes-once"
+
+    class MCoreSavePlanner:  # upstream's 2024-03 … 2024-09 planner, as far as the plan goes
+        def __init__(self, state_dict, is_coordinator):
+            self.state_dict, self.is_coordinator = state_dict, is_coordinator
+
+        def create_local_plan(self):
+            plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+            self._add_non_coordinator_iobytes_request(plan)
+            return plan
+
+        def _add_non_coordinator_iobytes_request(self, plan):
+            if self.is_coordinator:
+                return
+            for fqn, obj in self.state_dict.items():
+                if isinstance(obj, io.BytesIO):
+                    plan.items.extend(_create_write_items(fqn, obj))
+
+    def plans():  # as torch's DefaultSavePlanner gives them to its global plan: replicas deduplicated
+        return dedup_save_plans([MCoreSavePlanner({f"rng_state/shard_0.{rank}": io.BytesIO(b"rng"), "w": torch.ones(2)},
+                                                  rank == 0).create_local_plan() for rank in (0, 1)])
+
+    with pytest.raises(AssertionError, match="fqn not in md"):
+        create_default_global_save_plan(plans())
+    save_plan_iobytes_once.asked_once(types.SimpleNamespace(MCoreSavePlanner=MCoreSavePlanner))
+    local = plans()
+    assert [[item.index.fqn for item in plan.items if item.type.name == "BYTE_IO"] for plan in local] == [
+        ["rng_state/shard_0.0"], ["rng_state/shard_0.1"]]
+    _, metadata = create_default_global_save_plan(local)
+    assert {"rng_state/shard_0.0", "rng_state/shard_0.1"} <= set(metadata.state_dict_metadata)
