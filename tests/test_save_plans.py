@@ -9,6 +9,8 @@ import types
 
 import pytest
 
+from megaport.train import failure
+from megaport.train.shims import registry, save_plan_iobytes_once
 from tests.support import port as port_support
 
 torch = pytest.importorskip("torch")
@@ -62,4 +64,22 @@ def test_the_port_asks_for_each_byte_object_once_and_torch_plans_the_save():
     plans = _plans(_strategies_torch(fixed=True))
     assert [sum(i.index.fqn.startswith("rng_state") for i in p.items) for p in plans] == [1, 1]
     _, metadata = create_default_global_save_plan(dedup_save_plans(plans))  # as torch's planner does
+    assert "rng_state/shard_0.1_1.2" in metadata.state_dict_metadata
+
+
+def test_the_baseline_shim_answers_the_failed_global_plan_and_plans_each_byte_object_once():
+    """Unported main 2024-08 (101c08e74a) saving for the cross-load check died in the global plan,
+    which the training loop sees only as the plan's CheckpointException; its shim, written apart from
+    the port, lets torch plan the save."""
+    died = failure.Failure("CheckpointException", "CheckpointException ranks:dict_keys([0])", (
+        failure.Frame("/tmp/u/megatron/core/dist_checkpointing/strategies/state_dict_saver.py", 108,
+                      "save_state_dict_async_plan",
+                      'central_plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)'),
+        failure.Frame(f"{torch.__path__[0]}/distributed/checkpoint/utils.py", 221, "reduce_scatter", "raise result")))
+    assert registry.pick([died], have=()) == save_plan_iobytes_once.NAME
+    module = _strategies_torch(fixed=False)
+    save_plan_iobytes_once.asked_once(module)
+    plans = _plans(module)
+    assert [sum(i.index.fqn.startswith("rng_state") for i in p.items) for p in plans] == [1, 1]
+    _, metadata = create_default_global_save_plan(dedup_save_plans(plans))
     assert "rng_state/shard_0.1_1.2" in metadata.state_dict_metadata
