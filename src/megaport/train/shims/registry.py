@@ -24,8 +24,7 @@ REGISTRY = {shim.NAME: shim for shim in (
     mla_sequence_len_offset, kernel_masked_rows, fork_fp16_loss_scale, transformers_sentinels, fp8_shard_without_te,
     fork_train_step, fork_bert_loss, torch_load_trusting, empty_rank_groups, chained_clip_total_norm,
     t5_decoder_output_pads, dp_reshardable_no_grad, overlap_gather_save, dcp_write_item, save_plan_iobytes_once,
-    moe_spec_use_te,
-    cpu_init_rank_name, layer_count_mpu)}
+    moe_spec_use_te, cpu_init_rank_name, layer_count_mpu)}
 SHIMS_ENV = "MEGAPORT_BASELINE_SHIMS"
 _STARTUP = Path(__file__).with_name("startup")
 
