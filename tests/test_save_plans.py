@@ -68,14 +68,17 @@ def test_the_port_asks_for_each_byte_object_once_and_torch_plans_the_save():
 
 
 def test_the_baseline_shim_answers_the_failed_global_plan_and_plans_each_byte_object_once():
-    """Unported main 2024-08 (101c08e74a) saving for the cross-load check died in the global plan,
-    which the training loop sees only as the plan's CheckpointException; its shim, written apart from
-    the port, lets torch plan the save."""
-    died = failure.Failure("CheckpointException", "CheckpointException ranks:dict_keys([0])", (
-        failure.Frame("/tmp/u/megatron/core/dist_checkpointing/strategies/state_dict_saver.py", 108,
-                      "save_state_dict_async_plan",
-                      'central_plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)'),
-        failure.Frame(f"{torch.__path__[0]}/distributed/checkpoint/utils.py", 221, "reduce_scatter", "raise result")))
+    """Unported main 2024-08 (101c08e74a) saving for the cross-load check died in the global plan, which
+    reaches the training loop as torch's CheckpointException holding the rank's AssertionError: the
+    failure megaport records keeps it, the shim (written apart from the port) answers it, and with the
+    shim torch plans the save."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        create_default_global_save_plan(dedup_save_plans(_plans(_strategies_torch(fixed=False))))
+    except AssertionError as exc:
+        died = failure.from_exception(CheckpointException("plan", {0: _wrap_exception(exc)}))
+    assert [one.exception for one in died.chain()] == ["CheckpointException", "AssertionError"]
     assert registry.pick([died], have=()) == save_plan_iobytes_once.NAME
     module = _strategies_torch(fixed=False)
     save_plan_iobytes_once.asked_once(module)

@@ -50,14 +50,35 @@ class Failure:
 
 
 def from_exception(exc: BaseException) -> Failure:
-    """The failure ``exc`` describes, with its chain of causes."""
-    causes, seen, inner = [], {id(exc)}, _cause(exc)
+    """The failure ``exc`` describes, with its chain of causes (and the ranks' own exceptions a
+    distributed checkpoint's error holds: :func:`_rank_failures`)."""
+    causes, seen, inner = list(_rank_failures(exc)), {id(exc)}, _cause(exc)
     while inner is not None and id(inner) not in seen:
         seen.add(id(inner))
-        causes.append(_one(inner))
+        causes += [_one(inner), *_rank_failures(inner)]
         inner = _cause(inner)
     head = _one(exc)
     return Failure(head.exception, head.message, head.frames, head.module, tuple(causes))
+
+
+def _rank_failures(exc: BaseException) -> list:
+    """The exceptions ``torch.distributed.checkpoint``'s ``CheckpointException`` keeps per rank in
+    ``failures`` (``{rank: (exception, its frames)}``), which its message leaves out: it says
+    ``CheckpointException ranks:dict_keys([0])`` and no more (main 2024-08's save, whose cause was
+    torch's ``AssertionError: item.index.fqn not in md`` in its global plan)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    out = []
+    for value in failures.values():
+        inner, frames = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+        if not isinstance(inner, BaseException):
+            continue
+        one = _one(inner)
+        if frames:
+            one = Failure(one.exception, one.message, _frames(frames), one.module)
+        out.append(one)
+    return out
 
 
 def _cause(exc: BaseException):
@@ -65,10 +86,14 @@ def _cause(exc: BaseException):
 
 
 def _one(exc: BaseException) -> Failure:
-    frames = tuple(Frame(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
-                   for f in traceback.extract_tb(exc.__traceback__))
+    frames = _frames(traceback.extract_tb(exc.__traceback__))
     name = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
     return Failure(type(exc).__name__, str(exc), frames, name)
+
+
+def _frames(summary) -> tuple:
+    """A traceback's frames (``traceback.StackSummary``) as :class:`Frame`, outermost first."""
+    return tuple(Frame(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in summary)
 
 
 def record(exc: BaseException) -> None:

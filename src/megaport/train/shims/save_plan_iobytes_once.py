@@ -26,9 +26,9 @@ DESCRIPTION = ("core 0.6 … 0.8's save planner adds a non-coordinator rank's by
                "already put them in: the ones its plan lacks added, once, as upstream's f0161d2400 plans them")
 ERAS = "core 0.6 … 0.8 and main to 2024-09-05, saving a torch_dist checkpoint, on torch >= 2.4"
 REPRODUCES = "torch < 2.4's local save plan, or upstream's f0161d2400"
-#: the global plan's step failing (its own assertion stays on the coordinator: the training loop sees
-#: only the CheckpointException the plan's reduce_scatter raises)
-PATTERN = (Match(("CheckpointException",), code=r"reduce_scatter\(\s*[\"']plan[\"']", file=r"state_dict_saver\.py"),)
+#: torch's global plan refusing a byte object planned twice (the CheckpointException the training loop
+#: sees keeps it as a rank's failure: :func:`megaport.train.failure._rank_failures`)
+PATTERN = (Match(("AssertionError",), message=r"item\.index\.fqn not in md", file=r"default_planner\.py"),)
 PLANNER = "megatron.core.dist_checkpointing.strategies.torch"
 
 
