@@ -111,7 +111,8 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     command = "\n".join(re.sub(r"\|.*$", "", line) for line in text.splitlines() if not line.lstrip().startswith("ds_args="))
     tokens = example.script_flags(re.sub(r"\$\{?ds_args\}?", " ", command))
     notes = [f"flags of {rel} of the tree (the fork's GPT example), changed in size, iterations and data only"]
-    tokens = _without(tokens, left_out or {}, notes)
+    left_out = left_out or {}
+    tokens = example.without(tokens, left_out, notes)
     config = config_template(text)
     ds = deepspeed_flags(text)
     if engine == "megatron":
@@ -145,7 +146,7 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     if not stage_given:
         out += ["--zero-stage", str(ZERO_STAGE)]
     run_config = dict(config)
-    if FP16 in (left_out or {}) and run_config.get("fp16"):
+    if FP16 in left_out and run_config.get("fp16"):
         run_config["fp16"] = {**run_config["fp16"], "enabled": False}  # DeepSpeed's engine halves the model itself
     run_config.update(train_batch_size=sizes.batch, train_micro_batch_size_per_gpu=micro_batch or sizes.batch)
     run_config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": ZERO_STAGE}
@@ -156,17 +157,6 @@ def fork_example(tree: str, workdir: str, sizes: example.Sizes, engine: str = "d
     notes.append(f"{DESCRIBE['deepspeed']}; DeepSpeed config: the script's, with the run's batch sizes and "
                  f"stage {ZERO_STAGE}: {json.dumps(run_config, sort_keys=True)}")
     return ForkExample(rel, tokens, out, run_config, notes)
-
-
-def _without(tokens: list, left_out: dict, notes: list) -> list:
-    """The script's flags less those the run leaves out, each said once."""
-    out = []
-    for flag, values in example.group_flags(tokens):
-        if flag in left_out:
-            notes.append(f"{flag} left out ({left_out[flag]})")
-        else:
-            out += [flag, *values]
-    return out
 
 
 #: Where DeepSpeed's engine cannot run the tree here, not a failure of the port: what the failed run

@@ -314,6 +314,17 @@ def group_flags(tokens: list) -> list:
     return out
 
 
+def without(tokens: list, left_out: dict, notes: list) -> list:
+    """``tokens`` less the flags (and their values) in ``left_out`` (``{flag: why}``), each said in ``notes``."""
+    out = []
+    for flag, values in group_flags(tokens):
+        if flag in left_out:
+            notes.append(f"{flag} left out ({left_out[flag]})")
+        else:
+            out += [flag, *values]
+    return out
+
+
 def shrunk(tokens: list, sizes: Sizes, *, data: list, tree: str | None = None,
            notes: list | None = None, more_sizes: dict | None = None) -> list:
     """The script's flags with ``sizes``, one rank, and ``data`` in place of its I/O.

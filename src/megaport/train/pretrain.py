@@ -319,10 +319,8 @@ def _family_flags(family, tokens: list, tree: str, notes: list, left_out: dict |
             tokens = tokens + [t for flag, values in missing for t in [flag, *values]]
             notes.append(f"{' '.join(f for f, _ in missing)} added ({why})")
     out = []
-    for flag, values in example.group_flags(tokens):
-        if flag in dropped:
-            notes.append(f"{flag} left out ({dropped[flag]})")
-        elif family.drop_unknown_flags and flag.startswith("--") and not example.parser_has(tree, flag):
+    for flag, values in example.group_flags(example.without(tokens, dropped, notes)):
+        if family.drop_unknown_flags and flag.startswith("--") and not example.parser_has(tree, flag):
             notes.append(f"{flag} left out (this era's parser has no such flag)")
         elif family.drop_unknown_flags and len(values) == 1 and _refused_choice(tree, flag, values[0]):
             notes.append(f"{flag} {values[0]} left out (this era's parser has no such choice: its default runs)")
