@@ -287,3 +287,37 @@ def test_fused_wgrad_is_seen_only_in_live_code():
             else:
                 commented = module
         assert _fork.fuses_wgrad(live) and not _fork.fuses_wgrad(commented)
+
+
+def _one_rank_comparison(tmp_path, monkeypatch, tree: Path, apart: float) -> dict:
+    """one_rank.compare of GPT in tp2-sp with both runs faked, the layout's losses ``apart`` from one rank's."""
+    from megaport.train.checks import one_rank
+    from megaport.train.checks.spec import Context
+    from megaport.train.layouts import registry as layouts
+
+    own = [6.0 * (1 - 0.01 * i) for i in range(30)]
+
+    def layout_run(context, family, layout, sized_for=None):
+        losses = own if layout is layouts.ONE_RANK else [v * (1 + apart) for v in own]
+        return pretrain.Run(tree=context.tree), {"iterations": list(range(1, 31)), "losses": losses,
+                                                 "grad_norms": [None] * 30}
+
+    monkeypatch.setattr(one_rank, "layout_run", layout_run)
+    monkeypatch.setattr(one_rank, "shared_start", lambda context, run: one_rank.Start(load="ckpt"))
+    return one_rank.compare(Context(str(tree), None, False, {}, str(tmp_path)), "gpt", layouts.get("tp2-sp"))
+
+
+def test_the_forks_fp32_layouts_fail_a_fault_that_fp16s_tolerance_would_pass(tmp_path, monkeypatch):
+    """The fork's SP position shard left out of the grad-norm clip was 9.6e-4 from one rank in fp32
+    (the fixed run 3.6e-7): fp32 runs of a dense model are held to 1e-4, fp16 runs to 1 %."""
+    fork = fork_tree(tmp_path / "fork")
+    assert _one_rank_comparison(tmp_path, monkeypatch, fork, 3.6e-7)["problems"] == []
+    compared = _one_rank_comparison(tmp_path, monkeypatch, fork, 9.6e-4)
+    assert len(compared["problems"]) == 1 and "losses differ by up to 0.10%" in compared["problems"][0]
+    assert "tolerance 1e-04: fp32 on both sides" in compared["problems"][0]
+    assert compared["tolerance"]["loss"] == 1e-4
+    upstream = tmp_path / "up"
+    upstream.mkdir()
+    (upstream / "pretrain_gpt.py").write_text("import torch\nfrom megatron import get_args\n")
+    compared = _one_rank_comparison(tmp_path, monkeypatch, upstream, 9.6e-4)  # fp16: within its rounding
+    assert compared["problems"] == [] and "tolerance" not in compared

@@ -8,6 +8,7 @@ gives the verdict verify, bench and the full-clone tests share). docs/verify.md#
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from megaport.train import example
@@ -20,6 +21,27 @@ from megaport.train.pretrain import Run
 #: must fall over the compared iterations for the comparison to mean anything.
 LOSS_TOLERANCE = 0.01
 GRAD_NORM_TOLERANCE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far two runs' per-iteration loss and grad norm may part, relative, and why where it is
+    not :data:`DEFAULT_TOLERANCE` (the report says it beside the figures)."""
+
+    loss: float = LOSS_TOLERANCE
+    grad_norm: float = GRAD_NORM_TOLERANCE
+    why: str | None = None
+
+
+#: for runs in fp16 or bf16 on either side, or whose routing turns on rounding (MoE's top-k)
+DEFAULT_TOLERANCE = Tolerance()
+#: for runs of a dense model in fp32 on both sides: they part by reduction order alone (the
+#: Megatron-DeepSpeed fork's GPT layouts, 2023-09 … 2024-12: 1.9e-7 to 1.1e-6 in loss over 30
+#: iterations, grad norms equal to the three decimals the log prints), so the default's 1 % would pass
+#: a real fault: the fork's sequence-parallel position shard left out of the grad-norm clip was
+#: 9.6e-4 from one rank. The grad norm keeps room for the log's three decimals (6.2e-4 at pp2).
+FP32_DENSE_TOLERANCE = Tolerance(loss=1e-4, grad_norm=5e-3,
+                                 why="fp32 on both sides and a dense model: the runs part by reduction order alone")
 MIN_LOSS_DROP = 0.10
 MIN_COMPARED = 10  # iterations both runs logged
 #: fp16's initial loss scale for parity runs: upstream's 2**32 searches down for ~16 skipped steps to
@@ -93,11 +115,12 @@ def parity_run(tree: str, mode: str = "ported", *, gpu: bool = False, family: st
 
 
 def parity_problems(parity: dict, logged: int, yardstick: str = "unported upstream with its fusions off",
-                    min_loss_drop: float | None = MIN_LOSS_DROP) -> list:
+                    min_loss_drop: float | None = MIN_LOSS_DROP, tolerance: Tolerance = DEFAULT_TOLERANCE) -> list:
     """Why ``parity`` (from :func:`loss_parity`) fails, one sentence each; empty when it holds.
     ``logged``: the fewer iterations either run logged a loss for; ``yardstick``: what the ported
     run was compared with, in words; ``min_loss_drop``: how much the loss must fall over the window
-    for the comparison to mean anything (None where the first iterations alone decide it)."""
+    for the comparison to mean anything (None where the first iterations alone decide it);
+    ``tolerance``: how far the runs may part."""
     problems = []
     if len(parity["iterations"]) < max(MIN_COMPARED, 0.9 * logged):
         problems.append(f"only {len(parity['iterations'])} iterations logged by both runs (fp16 skipped others: "
@@ -106,16 +129,18 @@ def parity_problems(parity: dict, logged: int, yardstick: str = "unported upstre
         problems.append(f"{yardstick}: the loss fell by {parity['loss_drop']:.1%} over the compared iterations, "
                         f"less than {min_loss_drop:.0%}: parity where the model does not learn proves nothing: "
                         f"{parity['upstream']}")
-    if parity["max_relative_difference"] > LOSS_TOLERANCE:
+    within = f" (tolerance {tolerance.loss:.0e}: {tolerance.why})" if tolerance.why else ""
+    if parity["max_relative_difference"] > tolerance.loss:
         problems.append(f"per-iteration losses differ by up to {parity['max_relative_difference']:.2%} from "
-                        f"{yardstick}:\n ported    {parity['ported']}\n yardstick {parity['upstream']}")
+                        f"{yardstick}{within}:\n ported    {parity['ported']}\n yardstick {parity['upstream']}")
     if not parity["grad_norm_compared"]:
         if parity.get("grad_norm_logged", True):
             problems.append(f"only {len(parity['grad_norm_iterations'])} iterations have a grad norm in both runs; "
                             f"need {MIN_COMPARED}")
-    elif parity["grad_norm_max_relative_difference"] > GRAD_NORM_TOLERANCE:
+    elif parity["grad_norm_max_relative_difference"] > tolerance.grad_norm:
+        within = f" (tolerance {tolerance.grad_norm:.0e}: {tolerance.why})" if tolerance.why else ""
         problems.append(f"per-iteration grad norms differ by up to {parity['grad_norm_max_relative_difference']:.2%} "
-                        f"from {yardstick}:\n ported    {parity['ported_grad_norms']}\n"
+                        f"from {yardstick}{within}:\n ported    {parity['ported_grad_norms']}\n"
                         f" yardstick {parity['upstream_grad_norms']}")
     return problems
 

@@ -7,7 +7,8 @@ one-rank reference and the layout both load them (``--finetune --no-load-optim -
 upstream's distributed checkpoint reshards them to the layout) and train on the same data with
 the same global batch. Their per-iteration loss and grad norm are then compared as loss parity
 compares two trees (:func:`megaport.train.parity.parity_problems`): loss within 1 %, grad norm
-within 5 %, over a window in which the model measurably learns.
+within 5 %, over a window in which the model measurably learns (a family's runs in fp32 on both
+sides, where rounding parts nothing: :data:`megaport.train.parity.FP32_DENSE_TOLERANCE`).
 
 Eras before distributed checkpoints (before 2024-03) write one file per (tensor, pipeline) rank,
 which another layout cannot load. Where they build Megatron Core's models (core 0.4-0.5), or a
@@ -309,9 +310,21 @@ def compare(context: Context, family: str, layout) -> dict:
     compared.update(against=f"one rank from the same {shared_start(context, run).described}", run=_kept(mine))
     if why:
         compared["grad_norm_scale"] = {"factor": factor, "why": why}
+    within = tolerance(context.tree, family, compared)
     compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(one["losses"])),
-                                                  yardstick="one rank")
+                                                  yardstick="one rank", tolerance=within)
     return compared
+
+
+def tolerance(tree: str, family: str, compared: dict) -> parity.Tolerance:
+    """How far ``family``'s runs in a layout may part on ``tree`` (its spec's, else parity's default);
+    one other than the default is kept in ``compared`` for the report."""
+    from megaport.train.families import registry
+
+    within = registry.get(family).layout_tolerance(tree) or parity.DEFAULT_TOLERANCE
+    if within.why:
+        compared["tolerance"] = dataclasses.asdict(within)
+    return within
 
 
 def _kept(document: dict) -> dict:
@@ -320,5 +333,6 @@ def _kept(document: dict) -> dict:
                                      "grad_norms") if k in document}
 
 
-CHECK = Check(name="one-rank", summary="matches one rank from the same checkpoint (loss 1 %, grad norm 5 %)",
+CHECK = Check(name="one-rank", summary="matches one rank from the same checkpoint (loss 1 %, grad norm 5 %; "
+                                         "fp32 runs of a dense model 1e-4 / 5e-3)",
               compare=compare, not_for=lambda layout, tree: not_for(layout, tree))

@@ -42,5 +42,7 @@ def loss_figures(compared: dict) -> str:
              if compared.get("grad_norm_compared") else "")
     scale = compared.get("grad_norm_scale")
     norms += f" (the layout's divided by {scale['factor']}: the era's own scaling)" if scale else ""
+    within = compared.get("tolerance")
+    norms += f" (tolerance {within['loss']:.0e}: {within['why']})" if within else ""
     return (f"loss {compared['max_relative_difference']:.1e}{norms} over {len(compared['iterations'])}, "
             f"loss -{compared['loss_drop']:.0%}")

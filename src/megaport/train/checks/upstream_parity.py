@@ -22,7 +22,8 @@ def compare(context: Context, family: str, layout) -> dict:
     compared = parity.loss_parity(mine, base)
     compared.update(against="unported upstream, fusions off, same layout and start",
                     baseline_shims=base["baseline_shims"])
-    compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(base["losses"])))
+    compared["problems"] = parity.parity_problems(compared, min(len(mine["losses"]), len(base["losses"])),
+                                                  tolerance=one_rank.tolerance(context.tree, family, compared))
     return compared
 
 

@@ -65,6 +65,9 @@ class Family:
     layout_steps: int = 30
     #: flags every side of a layout comparison leaves out on a tree: ``tree -> ((flag, why), ...)``
     layout_left_out: Callable[[str], tuple] = lambda tree: ()
+    #: how far a layout comparison's runs of the family may part on a tree: ``tree ->
+    #: parity.Tolerance``, or None for loss parity's default (loss 1 %, grad norm 5 %)
+    layout_tolerance: Callable[[str], object] = lambda tree: None
     #: why the family's model cannot be split as a layout splits it on a tree, or None:
     #: ``(tree, layout) -> str | None`` (the layout is then listed as absent for it, with why)
     layout_refused: Callable = lambda tree, layout: None
