@@ -45,3 +45,21 @@ def test_a_glob_that_matches_nothing_is_an_error_not_an_empty_green_run(tool, tm
     assert module.main(["--repo", "R", "--keep", str(tmp_path), "--sampled", "--only", "s@f00"]) == 2
     assert calls == []
     assert "no ref's label matches --only 's@f00'" in capsys.readouterr().err
+
+
+def test_a_fix_that_changes_only_a_familys_readme_is_not_sampled(tmp_path):
+    import git
+
+    loader = importlib.machinery.SourceFileLoader("verify_eras_fixes", str(TOOL))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("verify_eras_fixes", loader))
+    loader.exec_module(module)
+    repo = git.Repo.init(tmp_path)
+    moe = tmp_path / "megatron" / "core" / "transformer" / "moe"
+    moe.mkdir(parents=True)
+    shas = []
+    for name, text in (("router.py", "x = 1\n"), ("README.md", "docs\n"), ("router.py", "x = 2\n")):
+        (moe / name).write_text(text)
+        repo.index.add([str(moe / name)])
+        shas.append(repo.index.commit(f"fix {name}").hexsha)
+    paths = module.FAMILY_PATHS["moe"]
+    assert [module.fixes_code(repo.git, sha, paths) for sha in shas[1:]] == [False, True]
