@@ -21,6 +21,23 @@ from megaport.train.pretrain import Run
 #: must fall over the compared iterations for the comparison to mean anything.
 LOSS_TOLERANCE = 0.01
 GRAD_NORM_TOLERANCE = 0.05
+MIN_LOSS_DROP = 0.10
+MIN_COMPARED = 10  # iterations both runs logged
+#: fp16's initial loss scale for parity runs: upstream's 2**32 searches down for ~16 skipped steps to
+#: the largest scale that does not overflow, and at a learning rate where the model learns a later
+#: step overflows in one run and not the other (measured on main: one skip apart at iteration 21,
+#: then 5 % apart in loss). 2**12 leaves gradients of this size far from fp16's range either way.
+PARITY_LOSS_SCALE = 4096.0
+#: Upstream from 2023-07-24 to 2023-10 (its DDP in megatron/model/distributed.py tracks
+#: grad_added_to_main_grad): with gradient-accumulation fusion on, the output layer's backward adds
+#: its weight gradient to main_grad itself and hands autograd an empty placeholder for the
+#: word-embedding weight it shares with the input embedding; DDP's hook then skips that weight's
+#: whole accumulated .grad, and with it the input embedding's own gradient. Upstream's fused path
+#: (apex's on CUDA alike) so trains otherwise than its unfused one: at 3e-3 the ported run was 27 %
+#: apart from unported upstream in loss, and the same run with the fusion off 1e-6 at the example's
+#: rate. There the ported side of parity runs with the fusion off, said in its notes; the port's
+#: wgrad GEMM is checked against its reference by test_distributed all the same.
+_SHARED_WGRAD_DROPPED = ("megatron/model/distributed.py", "grad_added_to_main_grad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,23 +59,6 @@ DEFAULT_TOLERANCE = Tolerance()
 #: 9.6e-4 from one rank. The grad norm keeps room for the log's three decimals (6.2e-4 at pp2).
 FP32_DENSE_TOLERANCE = Tolerance(loss=1e-4, grad_norm=5e-3,
                                  why="fp32 on both sides and a dense model: the runs part by reduction order alone")
-MIN_LOSS_DROP = 0.10
-MIN_COMPARED = 10  # iterations both runs logged
-#: fp16's initial loss scale for parity runs: upstream's 2**32 searches down for ~16 skipped steps to
-#: the largest scale that does not overflow, and at a learning rate where the model learns a later
-#: step overflows in one run and not the other (measured on main: one skip apart at iteration 21,
-#: then 5 % apart in loss). 2**12 leaves gradients of this size far from fp16's range either way.
-PARITY_LOSS_SCALE = 4096.0
-#: Upstream from 2023-07-24 to 2023-10 (its DDP in megatron/model/distributed.py tracks
-#: grad_added_to_main_grad): with gradient-accumulation fusion on, the output layer's backward adds
-#: its weight gradient to main_grad itself and hands autograd an empty placeholder for the
-#: word-embedding weight it shares with the input embedding; DDP's hook then skips that weight's
-#: whole accumulated .grad, and with it the input embedding's own gradient. Upstream's fused path
-#: (apex's on CUDA alike) so trains otherwise than its unfused one: at 3e-3 the ported run was 27 %
-#: apart from unported upstream in loss, and the same run with the fusion off 1e-6 at the example's
-#: rate. There the ported side of parity runs with the fusion off, said in its notes; the port's
-#: wgrad GEMM is checked against its reference by test_distributed all the same.
-_SHARED_WGRAD_DROPPED = ("megatron/model/distributed.py", "grad_added_to_main_grad")
 
 
 def loss_parity(ported: dict, baseline: dict) -> dict:

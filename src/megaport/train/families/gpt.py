@@ -18,7 +18,6 @@ def _fork_compared_in_fp32(tree: str) -> tuple:
                                      "grad-norm spike by more than the comparison's tolerance"),)
 
 
-
 def _fork_tolerance(tree: str):
     """Where the layouts are compared in fp32 (:func:`_fork_compared_in_fp32`), fp32's tolerance:
     there the default 1 % passed the fork's SP position shard left out of the grad-norm clip (9.6e-4
