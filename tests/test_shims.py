@@ -1097,4 +1097,3 @@ def test_dcp_write_item_answers_the_writer_of_core_0_5_to_0_12_and_writes_with_t
     module._write_item(filesystem._StorageWriterTransforms(), stream, tensor, item, "__1_0.distcp")
     stream.seek(0)
     assert torch.equal(torch.load(stream, weights_only=True), tensor)
-
