@@ -1037,6 +1037,106 @@ def test_outside_the_window_the_port_leaves_mlas_forward_alone(tmp_path, source)
     assert _ported(module).MultiLatentAttention.forward is forward
 
 
+#: The shape of upstream 2e047cff8a … 60d5b383fa (2024-10-29 … 12-07): the attention base class takes
+#: flash decoding's rotary cos/sin, which TransformerLayer passes every attention, MLA's forward does not.
+MLA_WITHOUT_COS_SIN = MLA_WITHOUT_OFFSET.replace("sequence_len_offset=None):", "rotary_pos_cos=None, rotary_pos_sin=None):").replace(
+    "sequence_len_offset=None)\n", "rotary_pos_cos=None, rotary_pos_sin=None)\n")
+
+
+def test_unfixed_mla_refuses_the_layers_rotary_cos_sin_and_the_shim_answers_it(tmp_path):
+    module = _mla_module(tmp_path, MLA_WITHOUT_COS_SIN)
+    with pytest.raises(TypeError, match="rotary_pos_cos") as raised:
+        module.transformer_layer(module.MultiLatentAttention(), 3)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "mla-rotary-pos-cos-sin"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_mla_takes_the_rotary_cos_sin_and_refuses_a_value_as_upstreams_fix_does(tmp_path, fix):
+    module = _fixed_by(_mla_module(tmp_path, MLA_WITHOUT_COS_SIN), fix, "mla-rotary-pos-cos-sin", "cos_sin_taken")
+    assert module.transformer_layer(module.MultiLatentAttention(), 3) == 6
+    with pytest.raises(AssertionError, match="MLA does not support Flash Decoding"):
+        module.MultiLatentAttention().forward(3, None, rotary_pos_cos=torch.ones(1), rotary_pos_sin=torch.ones(1))
+
+
+def test_the_port_wraps_mlas_forward_once(tmp_path):
+    module = _ported(_mla_module(tmp_path, MLA_WITHOUT_COS_SIN))
+    forward = module.MultiLatentAttention.forward
+    port_support.load().upstream_fixes._mla_takes_the_layers_keywords(module)  # a second after-import pass
+    assert module.MultiLatentAttention.forward is forward
+    assert module.transformer_layer(module.MultiLatentAttention(), 3) == 6
+
+
+#: The shape of upstream 2e047cff8a … bc8c4f3562 (2024-10-29 … 11-07, e.g. d229a2995d): both MLA windows
+#: at once, the layer's rotary cos/sin and the KV-cache update asking for the query MLA does not pass.
+MLA_FLASH_DECODING_WINDOW = '''
+class Attention:
+    def _adjust_key_value_for_inference(self, inference_params, query, key, value, rotary_pos_emb,
+                                        rotary_pos_cos=None, rotary_pos_sin=None):
+        if inference_params is None:
+            return query, key, value, rotary_pos_emb, "causal"
+        return query * 10, key * 10, value * 10, rotary_pos_emb, "no mask"
+
+    def forward(self, hidden_states, attention_mask, inference_params=None, rotary_pos_cos=None,
+                rotary_pos_sin=None):
+        return hidden_states
+
+
+class MultiLatentAttention(Attention):
+    def forward(self, hidden_states, attention_mask, inference_params=None, packed_seq_params=None,
+                position_ids=None):
+        query, key, value = hidden_states, hidden_states + 1, hidden_states + 2
+        key, value, _, attn_mask_type = self._adjust_key_value_for_inference(
+            inference_params, key, value, rotary_pos_emb=None
+        )
+        return query + key + value
+
+
+def transformer_layer(attention, hidden_states, inference_params=None):
+    return attention.forward(hidden_states, None, inference_params=inference_params, rotary_pos_cos=None,
+                             rotary_pos_sin=None)
+'''
+
+
+def test_unfixed_mla_of_the_flash_decoding_window_fails_twice_and_a_shim_answers_each(tmp_path):
+    module = _mla_module(tmp_path, MLA_FLASH_DECODING_WINDOW)
+    with pytest.raises(TypeError, match="rotary_pos_cos") as raised:
+        module.transformer_layer(module.MultiLatentAttention(), 3)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "mla-rotary-pos-cos-sin"
+    registry.REGISTRY["mla-rotary-pos-cos-sin"].cos_sin_taken(module)
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'value'") as raised:
+        module.transformer_layer(module.MultiLatentAttention(), 3)
+    assert registry.pick([failure.from_exception(raised.value)], ["mla-rotary-pos-cos-sin"]) == "mla-cache-update-query"
+
+
+@pytest.mark.parametrize("fix", ["port", "shims"])
+def test_mla_of_the_flash_decoding_window_trains_as_upstreams_fixes_make_it(tmp_path, fix):
+    module = _mla_module(tmp_path, MLA_FLASH_DECODING_WINDOW)
+    if fix == "port":
+        _ported(module)
+    else:
+        registry.REGISTRY["mla-rotary-pos-cos-sin"].cos_sin_taken(module)
+        registry.REGISTRY["mla-cache-update-query"].old_call_taken(module)
+    assert module.transformer_layer(module.MultiLatentAttention(), 3) == 3 + 4 + 5
+
+
+def test_the_ports_mla_hands_the_cache_update_its_query_as_upstreams_fix(tmp_path):
+    """Upstream's 369fec6c7c passes the query and takes back the one the update returns (flash decoding's)."""
+    module = _ported(_mla_module(tmp_path, MLA_FLASH_DECODING_WINDOW))
+    assert module.transformer_layer(module.MultiLatentAttention(), 3, inference_params=object()) == 30 + 40 + 50
+
+
+def test_where_mla_passes_its_query_the_port_leaves_the_call_alone(tmp_path):
+    fixed = MLA_FLASH_DECODING_WINDOW.replace("key, value, _, attn_mask_type = self._adjust_key_value_for_inference(\n"
+                                              "            inference_params, key, value,",
+                                              "query, key, value, _, attn_mask_type = self._adjust_key_value_for_inference(\n"
+                                              "            inference_params, query, key, value,")
+    assert fixed != MLA_FLASH_DECODING_WINDOW
+    module = _mla_module(tmp_path, fixed)
+    upstreams = module.MultiLatentAttention.forward
+    port_support.load().upstream_fixes._mla_hands_its_query_to_the_cache_update(module)
+    assert module.MultiLatentAttention.forward is upstreams
+
+
 #: The shape of upstream 044e2ad5aa … e6b3c4921f (2025-02-10 … 03-12): the all-to-all dispatcher keeps
 #: the counts it has not viewed per local expert for its sort after the all-to-all.
 DISPATCHER_COUNTS = '''

@@ -51,7 +51,8 @@ from .upstream_fixes import (
     _dispatcher_sorts_by_viewed_counts,
     _layer_count_asks_mpu,
     _local_moe_spec_takes_use_te,
-    _mla_takes_the_sequence_offset,
+    _mla_hands_its_query_to_the_cache_update,
+    _mla_takes_the_layers_keywords,
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
     _rank_logged_without_a_group,
@@ -119,7 +120,8 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.model.module": _tied_weights_keep_both_gradients,
     "megatron.mpu.layers": _cpu_init_names_its_rank,
     "megatron.model.transformer": _layer_count_asks_mpu,
-    "megatron.core.transformer.multi_latent_attention": _mla_takes_the_sequence_offset,
+    "megatron.core.transformer.multi_latent_attention": (_mla_hands_its_query_to_the_cache_update,  # first: recompiles forward
+                                                          _mla_takes_the_layers_keywords),
     "megatron.core.transformer.moe.token_dispatcher": _dispatcher_sorts_by_viewed_counts,
 }
 

@@ -7,6 +7,7 @@ listed shim."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import math
@@ -597,30 +598,92 @@ def _layer_count_asks_mpu(module) -> None:
                            "the legacy model counts its layers with mpu's pipeline functions, as upstream's 1a26b2910d")
 
 
-_MLA_OFFSET = ("MultiLatentAttention takes the sequence_len_offset TransformerLayer passes every attention, as "
-               "upstream's b5836f82f6 (it did not: DeepSeek stopped at its first step)")
+@dataclasses.dataclass(frozen=True)
+class _LayerKeyword:
+    """Keywords ``TransformerLayer`` passed every self-attention in a window of upstream's history,
+    which the ``Attention`` base class took and ``MultiLatentAttention.forward`` did not: every MLA
+    model (DeepSeek) stopped at its first step, ``TypeError: ... unexpected keyword argument``, on
+    any machine, ported or not, until upstream's fix added them to MLA's forward."""
+
+    names: tuple
+    said: str
+    #: upstream's fix asserts this of a value that is not None (a feature MLA lacks); None: taken unused
+    refused: str | None = None
 
 
-def _mla_takes_the_sequence_offset(module) -> None:
-    """From 8fba594837 (2025-01-09, inference CUDA graphs) TransformerLayer passed
-    ``sequence_len_offset`` to its self-attention, whose base class took it, while
-    ``MultiLatentAttention.forward`` did not until b5836f82f6 (2025-02-10, "MLA_Fix"): every MLA model
-    (DeepSeek) failed ``TypeError: ... unexpected keyword argument 'sequence_len_offset'``, any device,
-    ported or not. Upstream's fix adds the parameter, unused in training; so does this, only where the
-    base class takes it and MLA does not."""
+_MLA_LAYER_KEYWORDS = (
+    # 2e047cff8a (2024-10-29, flash decoding) ... 60d5b383fa (2024-12-07), which asserts them None
+    _LayerKeyword(("rotary_pos_cos", "rotary_pos_sin"),
+                  "MultiLatentAttention takes the rotary_pos_cos/rotary_pos_sin TransformerLayer passes every attention "
+                  "(flash decoding's, None in training), as upstream's 60d5b383fa (it did not: DeepSeek stopped at its "
+                  "first step)", refused="MLA does not support Flash Decoding"),
+    # 8fba594837 (2025-01-09, inference CUDA graphs) ... b5836f82f6 (2025-02-10, "MLA_Fix"), unused in training
+    _LayerKeyword(("sequence_len_offset",),
+                  "MultiLatentAttention takes the sequence_len_offset TransformerLayer passes every attention, as "
+                  "upstream's b5836f82f6 (it did not: DeepSeek stopped at its first step)"),
+)
+
+
+def _mla_takes_the_layers_keywords(module) -> None:
+    """MLA's forward takes what the layer passes every attention (:data:`_MLA_LAYER_KEYWORDS`), as
+    upstream's fixes add it: only the keywords the base class takes and MLA's forward does not."""
     cls, base = getattr(module, "MultiLatentAttention", None), getattr(module, "Attention", None)
-    if cls is None or base is None or "sequence_len_offset" not in inspect.signature(base.forward).parameters:
+    if cls is None or base is None or getattr(cls.forward, "__rocm_port_layer_keywords__", False):
+        return
+    taken, own = inspect.signature(base.forward).parameters, inspect.signature(cls.forward).parameters
+    missing = [k for k in _MLA_LAYER_KEYWORDS if all(n in taken and n not in own for n in k.names)]
+    if not missing:
         return
     forward = cls.forward
-    if "sequence_len_offset" in inspect.signature(forward).parameters:
-        return
+    refused = {name: k.refused for k in missing for name in k.names}
 
     @functools.wraps(forward)
-    def forward_taking_the_offset(self, *args, sequence_len_offset=None, **kwargs):
+    def forward_taking_the_layers_keywords(self, *args, **kwargs):
+        for name, why in refused.items():
+            if kwargs.pop(name, None) is not None and why:
+                raise AssertionError(why)
         return forward(self, *args, **kwargs)
 
-    cls.forward = forward_taking_the_offset
-    say_once(_MLA_OFFSET)
+    forward_taking_the_layers_keywords.__rocm_port_layer_keywords__ = True
+    cls.forward = forward_taking_the_layers_keywords
+    for keyword in missing:
+        say_once(keyword.said)
+
+
+_MLA_QUERY = ("MultiLatentAttention hands its query to the KV-cache update as the attention base class asks, as "
+              "upstream's 369fec6c7c (it passed key and value alone: DeepSeek stopped at its first step)")
+
+
+class _QueryThroughTheCacheUpdate(ast.NodeTransformer):
+    """``key, value, _, mask = self._adjust_key_value_for_inference(params, key, value, ...)`` ->
+    ``query, key, value, _, mask = self._adjust_key_value_for_inference(params, query, key, value, ...)``:
+    upstream's 369fec6c7c, the one statement it changed; ``found`` says whether it was there."""
+
+    found = False
+
+    def visit_Assign(self, node):
+        target, call = node.targets[0], node.value
+        if (len(node.targets) == 1 and isinstance(target, ast.Tuple) and len(target.elts) == 4
+                and isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "_adjust_key_value_for_inference" and len(call.args) == 3
+                and [getattr(a, "id", None) for a in call.args[1:]] == ["key", "value"]):
+            target.elts.insert(0, ast.copy_location(ast.Name(id="query", ctx=ast.Store()), target.elts[0]))
+            call.args.insert(1, ast.copy_location(ast.Name(id="query", ctx=ast.Load()), call.args[1]))
+            self.found = True
+        return node
+
+
+def _mla_hands_its_query_to_the_cache_update(module) -> None:
+    """From 2e047cff8a (2024-10-29, flash decoding) until 369fec6c7c reached main (bc8c4f3562,
+    2024-11-07) ``Attention._adjust_key_value_for_inference`` took the query too and returned it,
+    while ``MultiLatentAttention.forward`` still called it with key and value alone: every MLA model
+    (DeepSeek) failed ``TypeError: ... missing 1 required positional argument: 'value'``, any device,
+    ported or not. Upstream's method with its fix's call (:func:`_recompiled`), only where the base
+    class asks for the query; nothing changes where the call already passes it."""
+    cls, base = getattr(module, "MultiLatentAttention", None), getattr(module, "Attention", None)
+    adjust = getattr(base, "_adjust_key_value_for_inference", None)
+    if cls is not None and adjust is not None and "query" in inspect.signature(adjust).parameters:
+        _replaced_by_fix(cls, "forward", _QueryThroughTheCacheUpdate(), module, _MLA_QUERY)
 
 
 _LOCAL_EXPERT_SPLITS = ("the all-to-all dispatcher sorts its tokens by the per-local-expert counts it viewed for that, "
