@@ -261,6 +261,29 @@ def test_run_pretrain_launches_torchrun_with_the_cpu_substitutions_and_reads_the
     assert result["peak_memory_kind"] == "process max RSS" and result["peak_memory_bytes"] > 2**20
 
 
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_a_cpu_rank_ends_without_teardown_but_loses_nothing(tmp_path, exit_code):
+    """A CPU rank exits without the interpreter's teardown, yet what a normal exit finishes is
+    finished: a writer thread still running (an async checkpoint's) and the atexit functions,
+    and the script's exit code is the process's."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(f"""
+import atexit, sys, threading, time
+def write_late():
+    time.sleep(1.0)
+    open({str(tmp_path / "thread")!r}, "w").write("written")
+threading.Thread(target=write_late).start()
+atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
+sys.exit({exit_code})
+""")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--cpu", str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == exit_code, proc.stderr[-2000:]
+    assert (tmp_path / "thread").read_text() == "written" and (tmp_path / "atexit").read_text() == "ran"
+    assert ("> megaport: peak memory" in proc.stdout) == (exit_code == 0)  # flushed before the exit
+
+
 def test_a_failing_run_says_why(tmp_path):
     tree = fake_tree(tmp_path, exit_code=3)
     with pytest.raises(RuntimeError, match=r"failed \(exit code 3\) after 4 logged iterations") as failure:

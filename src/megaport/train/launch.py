@@ -12,6 +12,8 @@ a GPU (upstream's own memory report comes after the first iteration, before fp16
 end and the optimizer's state exists), the process's peak RSS on the CPU. A run given ``--load`` that was asked to train and took no
 optimizer step exits 1 with one line (:mod:`megaport.train.resume_guard`), never 0; so does one whose
 checkpoint to resume from is truncated, corrupt or missing, before the script runs.
+A CPU rank then ends without the interpreter's teardown, having finished what an exit finishes
+(:func:`_exit_without_teardown`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
     if code == 0 and not listing:
         print(_peak(torch, cpu), flush=True)
     _release_process_group(torch)
+    if cpu:
+        _exit_without_teardown(code)
     return code
 
 
@@ -106,6 +110,27 @@ def _release_process_group(torch) -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the run is over; its result is already written
         pass
+
+
+def _exit_without_teardown(code: int) -> None:
+    """End a CPU rank as the interpreter would, less its teardown: the rank's non-daemon threads
+    are joined and its ``atexit`` functions run (multiprocessing's join of its children, upstream's
+    loggers), then the process exits without freeing module by module what the OS takes back at
+    once. Measured on main's Llama TP2 (30 iterations): from the last line a rank prints to
+    torchrun's exit 2.4 s before, 0.8 s after, on an idle 2-core CPU, of a 21 s run; a default
+    verify starts about seventy runs. Not on a GPU, where it was never measured."""
+    import atexit
+    import logging
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
