@@ -1137,6 +1137,46 @@ def test_where_mla_passes_its_query_the_port_leaves_the_call_alone(tmp_path):
     assert module.MultiLatentAttention.forward is upstreams
 
 
+#: The shape of upstream 2bdc60c4af … 60d5b383fa (2024-11-15 … 12-07): the layer builds every attention
+#: with cp_comm_type, which the base class's constructor takes and MLASelfAttention's does not.
+MLA_CP_COMM_TYPE_WINDOW = '''
+class Attention:
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type=None, cp_comm_type=None):
+        self.config = config
+
+    def forward(self, hidden_states, attention_mask):
+        return hidden_states
+
+
+class MultiLatentAttention(Attention):
+    def __init__(self, config, layer_number, attn_mask_type, attention_type):
+        super().__init__(config, layer_number, attn_mask_type, attention_type)
+
+
+class MLASelfAttention(MultiLatentAttention):
+    def __init__(self, config, layer_number, attn_mask_type=None):
+        super().__init__(config, layer_number, attn_mask_type, "self")
+
+
+def transformer_layer(attention_class, config):
+    return attention_class(config, 1, attn_mask_type="causal", cp_comm_type="p2p")
+'''
+
+
+def test_unfixed_mla_of_the_cp_comm_type_window_builds_nothing_and_the_shim_answers_it(tmp_path):
+    module = _mla_module(tmp_path, MLA_CP_COMM_TYPE_WINDOW)
+    with pytest.raises(TypeError, match="cp_comm_type") as raised:
+        module.transformer_layer(module.MLASelfAttention, "config")
+    assert registry.pick([failure.from_exception(raised.value)], []) == "mla-cp-comm-type"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_mla_of_the_cp_comm_type_window_builds_as_upstreams_fix_makes_it(tmp_path, fix):
+    module = _fixed_by(_mla_module(tmp_path, MLA_CP_COMM_TYPE_WINDOW), fix, "mla-cp-comm-type", "cp_comm_type_taken")
+    attention = module.transformer_layer(module.MLASelfAttention, "config")
+    assert isinstance(attention, module.MLASelfAttention) and attention.config == "config"
+
+
 #: The shape of upstream 044e2ad5aa … e6b3c4921f (2025-02-10 … 03-12): the all-to-all dispatcher keeps
 #: the counts it has not viewed per local expert for its sort after the all-to-all.
 DISPATCHER_COUNTS = '''

@@ -600,11 +600,13 @@ def _layer_count_asks_mpu(module) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _LayerKeyword:
-    """Keywords ``TransformerLayer`` passed every self-attention in a window of upstream's history,
-    which the ``Attention`` base class took and ``MultiLatentAttention.forward`` did not: every MLA
-    model (DeepSeek) stopped at its first step, ``TypeError: ... unexpected keyword argument``, on
-    any machine, ported or not, until upstream's fix added them to MLA's forward."""
+    """Keywords ``TransformerLayer`` gave every self-attention in a window of upstream's history,
+    which the ``Attention`` base class's method took and MLA's own did not: every MLA model
+    (DeepSeek) stopped at its build or first step, ``TypeError: ... unexpected keyword argument``,
+    on any machine, ported or not, until upstream's fix added them to MLA's method."""
 
+    owner: str
+    method: str
     names: tuple
     said: str
     #: upstream's fix asserts this of a value that is not None (a feature MLA lacks); None: taken unused
@@ -613,41 +615,52 @@ class _LayerKeyword:
 
 _MLA_LAYER_KEYWORDS = (
     # 2e047cff8a (2024-10-29, flash decoding) ... 60d5b383fa (2024-12-07), which asserts them None
-    _LayerKeyword(("rotary_pos_cos", "rotary_pos_sin"),
+    _LayerKeyword("MultiLatentAttention", "forward", ("rotary_pos_cos", "rotary_pos_sin"),
                   "MultiLatentAttention takes the rotary_pos_cos/rotary_pos_sin TransformerLayer passes every attention "
                   "(flash decoding's, None in training), as upstream's 60d5b383fa (it did not: DeepSeek stopped at its "
                   "first step)", refused="MLA does not support Flash Decoding"),
+    # 2bdc60c4af (2024-11-15, --cp-comm-type defaults to p2p) ... 60d5b383fa (2024-12-07); the core attention
+    # MLA builds without TE takes it unused, and the port's CP attention reads the config's
+    _LayerKeyword("MLASelfAttention", "__init__", ("cp_comm_type",),
+                  "MLASelfAttention takes the cp_comm_type TransformerLayer passes every attention, as upstream's "
+                  "60d5b383fa (it did not: DeepSeek built nothing); its core attention reads the config's"),
     # 8fba594837 (2025-01-09, inference CUDA graphs) ... b5836f82f6 (2025-02-10, "MLA_Fix"), unused in training
-    _LayerKeyword(("sequence_len_offset",),
+    _LayerKeyword("MultiLatentAttention", "forward", ("sequence_len_offset",),
                   "MultiLatentAttention takes the sequence_len_offset TransformerLayer passes every attention, as "
                   "upstream's b5836f82f6 (it did not: DeepSeek stopped at its first step)"),
 )
 
 
 def _mla_takes_the_layers_keywords(module) -> None:
-    """MLA's forward takes what the layer passes every attention (:data:`_MLA_LAYER_KEYWORDS`), as
-    upstream's fixes add it: only the keywords the base class takes and MLA's forward does not."""
-    cls, base = getattr(module, "MultiLatentAttention", None), getattr(module, "Attention", None)
-    if cls is None or base is None or getattr(cls.forward, "__rocm_port_layer_keywords__", False):
-        return
-    taken, own = inspect.signature(base.forward).parameters, inspect.signature(cls.forward).parameters
-    missing = [k for k in _MLA_LAYER_KEYWORDS if all(n in taken and n not in own for n in k.names)]
-    if not missing:
-        return
-    forward = cls.forward
-    refused = {name: k.refused for k in missing for name in k.names}
+    """MLA's methods take what the layer gives every attention (:data:`_MLA_LAYER_KEYWORDS`), as
+    upstream's fixes add it: only the keywords the base class's method takes and MLA's own does not."""
+    base = getattr(module, "Attention", None)
+    for owner_name, method in dict.fromkeys((k.owner, k.method) for k in _MLA_LAYER_KEYWORDS):
+        owner = getattr(module, owner_name, None)
+        function = vars(owner).get(method) if owner is not None else None
+        if base is None or function is None or getattr(function, "__rocm_port_layer_keywords__", False):
+            continue
+        taken, own = inspect.signature(getattr(base, method)).parameters, inspect.signature(function).parameters
+        missing = [k for k in _MLA_LAYER_KEYWORDS if (k.owner, k.method) == (owner_name, method)
+                   and all(n in taken and n not in own for n in k.names)]
+        if missing:
+            setattr(owner, method, _taking(function, {name: k.refused for k in missing for name in k.names}))
+            for keyword in missing:
+                say_once(keyword.said)
 
-    @functools.wraps(forward)
-    def forward_taking_the_layers_keywords(self, *args, **kwargs):
+
+def _taking(function, refused: dict):
+    """``function`` given the keywords ``refused`` names: dropped where None or where nothing is
+    refused, else the refusal raised (as upstream's assert)."""
+    @functools.wraps(function)
+    def taking_the_layers_keywords(self, *args, **kwargs):
         for name, why in refused.items():
             if kwargs.pop(name, None) is not None and why:
                 raise AssertionError(why)
-        return forward(self, *args, **kwargs)
+        return function(self, *args, **kwargs)
 
-    forward_taking_the_layers_keywords.__rocm_port_layer_keywords__ = True
-    cls.forward = forward_taking_the_layers_keywords
-    for keyword in missing:
-        say_once(keyword.said)
+    taking_the_layers_keywords.__rocm_port_layer_keywords__ = True
+    return taking_the_layers_keywords
 
 
 _MLA_QUERY = ("MultiLatentAttention hands its query to the KV-cache update as the attention base class asks, as "
