@@ -117,8 +117,8 @@ def _exit_without_teardown(code: int) -> None:
     are joined and its ``atexit`` functions run (multiprocessing's join of its children, upstream's
     loggers), then the process exits without freeing module by module what the OS takes back at
     once. Measured on main's Llama TP2 (30 iterations): from the last line a rank prints to
-    torchrun's exit 2.4 s before, 0.8 s after, on an idle 2-core CPU, of a 21 s run; a default
-    verify starts about seventy runs. Not on a GPU, where it was never measured."""
+    torchrun's exit 2.4 s before, 0.8 s after, on an idle 2-core CPU, of a 21 s run, and a
+    default verify starts dozens of runs. Not on a GPU, where it was never measured."""
     import atexit
     import logging
     import threading
