@@ -1039,7 +1039,8 @@ def test_outside_the_window_the_port_leaves_mlas_forward_alone(tmp_path, source)
 
 #: The shape of upstream 2e047cff8a … 60d5b383fa (2024-10-29 … 12-07): the attention base class takes
 #: flash decoding's rotary cos/sin, which TransformerLayer passes every attention, MLA's forward does not.
-MLA_WITHOUT_COS_SIN = MLA_WITHOUT_OFFSET.replace("sequence_len_offset=None):", "rotary_pos_cos=None, rotary_pos_sin=None):").replace(
+MLA_WITHOUT_COS_SIN = MLA_WITHOUT_OFFSET.replace(
+    "sequence_len_offset=None):", "rotary_pos_cos=None, rotary_pos_sin=None):").replace(
     "sequence_len_offset=None)\n", "rotary_pos_cos=None, rotary_pos_sin=None)\n")
 
 

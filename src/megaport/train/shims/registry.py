@@ -22,7 +22,8 @@ REGISTRY = {shim.NAME: shim for shim in (
     te_cross_entropy_import, te_projector_import, te_import_stub, stack_names, apex_pytorch, fused_kernel_build, te_norm, te_spec, bert_te_spec,
     deepspeed_compression, wgrad_contiguous, fork_attention_view, deepspeed_tensor_types, fork_deepspeed_train, fork_legacy_mpu,
     deepspeed_loss_scale, fork_t5_moe_losses, fork_bert_moe_losses, fork_t5_loss, grouped_gemm_loop, mla_attention,
-    mla_cp_comm_type, mla_cache_update_query, mla_rotary_cos_sin, mla_sequence_len_offset, kernel_masked_rows, fork_fp16_loss_scale, transformers_sentinels, fp8_shard_without_te,
+    mla_cp_comm_type, mla_cache_update_query, mla_rotary_cos_sin, mla_sequence_len_offset, kernel_masked_rows,
+    fork_fp16_loss_scale, transformers_sentinels, fp8_shard_without_te,
     fork_train_step, fork_bert_loss, torch_load_trusting, empty_rank_groups, chained_clip_total_norm,
     t5_decoder_output_pads, dp_reshardable_no_grad, overlap_gather_save, dcp_write_item, save_plan_iobytes_once,
     moe_spec_use_te, cpu_init_rank_name, layer_count_mpu)}
