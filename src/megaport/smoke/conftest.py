@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megaport.smoke import _backend, _era, _guard, _locate, _session, _verdicts
+from megaport.train import process_group
 
 DEVICES = ("cpu", "cuda", "hip")
 
@@ -257,8 +258,6 @@ def process_group(smoke, torch_module, rocm_port):
     The backend comes from the tree: its --distributed-backend default through rocm_port's
     resolution on GPUs (RCCL on ROCm), gloo on CPU.
     """
-    import datetime
-
     import torch.distributed as dist
 
     # megatron.core.parallel_state from 2022-11; megatron.mpu, with the same functions, before.
@@ -273,7 +272,6 @@ def process_group(smoke, torch_module, rocm_port):
     smoke.facts["process_group"] = {"tree_default": name, "default_from": source, "chosen": chosen, "torch_backend": backend}
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    store_dir = tempfile.mkdtemp(prefix="megaport-pg-")
     undo = lambda: None  # noqa: E731
     if smoke.gpu:
         torch_module.cuda.set_device(0)
@@ -283,18 +281,15 @@ def process_group(smoke, torch_module, rocm_port):
         from megaport import cpu_substitutions
 
         undo = cpu_substitutions.install(torch_module, "process-group").undo
-    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
     try:
-        parallel_state.initialize_model_parallel(1, 1)
-        yield parallel_state
+        with process_group.one_rank_group(dist, backend, timeout_s=120):
+            try:
+                parallel_state.initialize_model_parallel(1, 1)
+                yield parallel_state
+            finally:
+                parallel_state.destroy_model_parallel()
     finally:
-        try:
-            parallel_state.destroy_model_parallel()
-        finally:
-            dist.destroy_process_group()
-            undo()
-            shutil.rmtree(store_dir, ignore_errors=True)
+        undo()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import importlib
 import inspect
 import io
@@ -48,12 +47,12 @@ import re
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 from megaport import cpu_substitutions
 from megaport.train import example
 from megaport.train import failure
+from megaport.train import process_group
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -275,23 +274,19 @@ def train(run: HarnessRun) -> dict:
     parallel_state = importlib.import_module("megatron.core.parallel_state")
     tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
     facts["megatron_core"] = sys.modules["megatron.core"].__file__
-    store = tempfile.mkdtemp(prefix="megaport-gpt-")
-    backend = "nccl" if gpu else "gloo"
     if gpu:
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=300))
-    parallel_state.initialize_model_parallel(1, 1)
-    if gpu:
-        tensor_parallel.model_parallel_cuda_manual_seed(run.seed)
-    torch.manual_seed(run.seed)
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-
-    if gpu:
-        return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
-    with cpu_substitutions.install(torch, "placement", "megatron-plumbing") as substituted:
-        substituted.tell(facts["substitutions"])
-        return _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts)
+    with process_group.one_rank_group(dist, "nccl" if gpu else "gloo", prefix="megaport-gpt-"):
+        parallel_state.initialize_model_parallel(1, 1)
+        if gpu:
+            tensor_parallel.model_parallel_cuda_manual_seed(run.seed)
+        torch.manual_seed(run.seed)
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        if gpu:
+            return _train(run, torch, parallel_state, tensor_parallel, device, gpu, facts)
+        with cpu_substitutions.install(torch, "placement", "megatron-plumbing") as substituted:
+            substituted.tell(facts["substitutions"])
+            return _train(run, torch, parallel_state, tensor_parallel, device, gpu, facts)
 
 
 def _config_from_args(args, arguments, facts: dict):
@@ -302,7 +297,7 @@ def _config_from_args(args, arguments, facts: dict):
     return config, args.params_dtype
 
 
-def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts) -> dict:
+def _train(run, torch, parallel_state, tensor_parallel, device, gpu, facts) -> dict:
     parsed = upstream_args(run, facts)
     if parsed is not None:
         args, arguments = parsed
@@ -335,7 +330,6 @@ def _train(run, torch, dist, parallel_state, tensor_parallel, device, gpu, facts
         "torch": torch.__version__,
         **facts,
     }
-    dist.destroy_process_group()
     return document
 
 
