@@ -66,6 +66,24 @@ def test_resume_is_a_check_row_planned_where_ranks_shard_the_optimizer():
     assert "--use-distributed-optimizer or --zero-stage shards" in resume.not_for(layouts.get("tp2"), "")
 
 
+def test_an_era_whose_optimizer_shards_nothing_resumes_in_tp2_and_on_one_rank(tmp_path):
+    """2021's trees have neither the distributed optimizer nor DeepSpeed's ZeRO: without a stand-in
+    no layout of theirs checked a resume, and their verify passed with none."""
+    tree = tmp_path / "tree"
+    (tree / "megatron").mkdir(parents=True)
+    (tree / "pretrain_gpt.py").write_text("")
+    (tree / "megatron" / "arguments.py").write_text(
+        "def add(group):\n    group.add_argument('--tensor-model-parallel-size')\n")
+    assert resume.shards_nothing(str(tree))
+    runs, _ = plan.plan(str(tree), [layouts.get("tp2")], [resume.CHECK])
+    assert [r.id for r in runs] == ["gpt-tp2-resume"]
+    assert "in tp2 where the era has neither" in resume.not_for(layouts.get("tp2-recompute"), str(tree))
+    (tree / "megatron" / "arguments.py").write_text(
+        "def add(group):\n    group.add_argument('--use-distributed-optimizer')\n")
+    assert not resume.shards_nothing(str(tree))
+    assert "in tp2 where the era has neither" in resume.not_for(layouts.get("tp2"), str(tree))
+
+
 def test_verify_plans_resume_for_dp2_distopt(tmp_path):
     tree = tmp_path / "tree"
     (tree / "megatron" / "training").mkdir(parents=True)

@@ -10,7 +10,9 @@ iteration after the checkpoint is an error (its launcher exits 1: :mod:`megaport
 
 It holds on one rank (once per family and sizes, shared by every layout checked) and in each
 layout whose ranks each hold a shard of the optimizer's state (the distributed optimizer), which a
-resume must put back rank by rank.
+resume must put back rank by rank. An era whose optimizer shards nothing (upstream before its
+distributed optimizer, 2022-02) is checked on one rank and in TP2 (:data:`STAND_IN`), so that no
+era's verify goes without a resume.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import dataclasses
 import os
 
 from megaport import deepspeed_fork
-from megaport.train import parity, pretrain, tree_files
+from megaport.train import example, parity, pretrain, tree_files
 from megaport.train.checks import one_rank
 from megaport.train.checks.spec import Check, Context, loss_figures
 from megaport.train.layouts import registry as layouts
@@ -33,6 +35,10 @@ def saved_at(steps: int) -> int:
 #: optimizer, and in Megatron-DeepSpeed DeepSpeed's ZeRO (its engine writes one optimizer shard per
 #: data-parallel rank, ``zero_pp_rank_N_mp_rank_00_optim_states.pt``)
 SHARDED_OPTIMIZERS = ("--use-distributed-optimizer", "--zero-stage")
+#: the layout whose resume stands for the others where the era has no optimizer that shards its state
+#: (2021's trees): TP2, which every era trains, its ranks each writing their own file of the model
+#: and optimizer (without it, such an era's verify checked no resume at all, not even one rank's)
+STAND_IN = "tp2"
 #: upstream logs a run's first iteration without resetting its running loss, so the run's second
 #: logged loss is the mean of its first two (main's training_log); a resumed run's too
 _FIRST_LOG_KEPT = ("megatron/training/training.py", "should_reset = not is_first_iteration")
@@ -139,15 +145,21 @@ def figures(compared: dict) -> str:
 def not_for(layout, tree: str) -> str | None:
     """Why the resume is not checked in ``layout``: it does not shard the optimizer's state with
     upstream's distributed optimizer (one rank's resume, checked beside each layout that does,
-    stands for the others)."""
+    stands for the others), nor is it the era's stand-in where no layout does."""
     if SHARDED_OPTIMIZERS[0] in layout.flags and deepspeed_fork.is_deepspeed_tree(tree):
         return (f"under DeepSpeed's engine the optimizer is DeepSpeed's, not Megatron's distributed one (the fork's "
                 f"save asks it for that one's parameter state: AttributeError 'save_parameter_state'); DeepSpeed's "
                 f"ZeRO checkpoints are resumed in dp2-zero1")
-    if any(flag in layout.flags for flag in SHARDED_OPTIMIZERS):
+    if any(flag in layout.flags for flag in SHARDED_OPTIMIZERS) or (layout.name == STAND_IN and shards_nothing(tree)):
         return None
     return (f"resumes are checked where {' or '.join(SHARDED_OPTIMIZERS)} shards the optimizer's state, and on one "
-            "rank beside it")
+            f"rank beside it (in {STAND_IN} where the era has neither)")
+
+
+def shards_nothing(tree: str) -> bool:
+    """Whether the era's parser (the unported commit's) has none of :data:`SHARDED_OPTIMIZERS`: no
+    layout of it would check a resume but :data:`STAND_IN`. A tree without a parser is no era."""
+    return bool(example.parser_text(tree)) and not any(example.parser_has(tree, f) for f in SHARDED_OPTIMIZERS)
 
 
 CHECK = Check(name="resume", summary="saved halfway and resumed = the uninterrupted run "
