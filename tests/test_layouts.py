@@ -127,7 +127,9 @@ def test_before_checkpoints_reshard_one_ranks_megatron_core_checkpoint_is_split_
 
 
 def test_upstream_parity_is_planned_only_where_unported_upstream_trains_the_layout(tmp_path):
-    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", *LLAMA_FLAGS])
+    # an era with the distributed optimizer: its resume is checked there, not in tp2 (resume.STAND_IN)
+    tree = _tree(tmp_path, ["--tensor-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+                            *LLAMA_FLAGS])
     runs, _ = plan.plan(tree, [layouts.get("tp2"), layouts.get("tp2-sp")], checks.select(None), models=["llama"])
     assert [r.id for r in runs] == ["llama-tp2-one-rank", "llama-tp2-upstream", "llama-tp2-sp-one-rank",
                                     "llama-tp2-sp-tp-replicas"]
