@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megaport.smoke import _backend, _era, _guard, _locate, _session, _verdicts
-from megaport.train import process_group
+from megaport.train.process_group import one_rank_group
 
 DEVICES = ("cpu", "cuda", "hip")
 
@@ -282,7 +282,7 @@ def process_group(smoke, torch_module, rocm_port):
 
         undo = cpu_substitutions.install(torch_module, "process-group").undo
     try:
-        with process_group.one_rank_group(dist, backend, timeout_s=120):
+        with one_rank_group(dist, backend, timeout_s=120):
             try:
                 parallel_state.initialize_model_parallel(1, 1)
                 yield parallel_state
