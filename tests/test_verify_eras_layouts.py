@@ -55,7 +55,8 @@ def _result(label, ref, failed=0):
     return {"label": label, "ref": ref, "series": "s", "seconds": 1.0, "exit": int(bool(failed)),
             "summary": {"passed": 190, "failed": failed, "skipped": 0},
             "facts": {"loss_parity": parity, "families": {"gpt": {"loss_parity": parity}}},
-            "failed": ["test_training[t5]"] if failed else [], "skipped": []}
+            "failed": ["test_training[t5]"] if failed else [], "skipped": [],
+            "why_failed": {"test_training[t5]": ["AssertionError: loss parity"]} if failed else {}}
 
 
 def test_the_ledger_records_each_sampled_commit_and_pending_runs_the_rest(tool, monkeypatch, tmp_path):
@@ -72,7 +73,7 @@ def test_the_ledger_records_each_sampled_commit_and_pending_runs_the_rest(tool, 
     rows = module.ledger_rows(ledger)
     assert rows["a10000000000"][1:] == ["s@oldest", rows["a10000000000"][2], "190 / 0 / 0", "gpt 8.0e-5 / 1.3e-3"]
     assert rows["b20000000000"][1] == "s@abc" and rows["b20000000000"][3] == "190 / 1 / 0"
-    assert "failed: test_training[t5]" in rows["b20000000000"][4]
+    assert "failed: test_training[t5] (AssertionError: loss parity)" in rows["b20000000000"][4]
     assert [module.green(rows[c]) for c in ("a10000000000", "b20000000000")] == [True, False]
 
     runs.clear()  # --pending: only what the ledger does not have green; a rerun replaces its row
@@ -82,6 +83,19 @@ def test_the_ledger_records_each_sampled_commit_and_pending_runs_the_rest(tool, 
     assert runs == ["b20000000000"]
     assert len(module.ledger_rows(ledger)) == 2 and all(map(module.green, module.ledger_rows(ledger).values()))
     assert module.main([*argv, "--pending"]) == 2  # nothing left: said, not an empty green run
+
+
+def test_without_keep_no_ported_tree_is_left_behind(tool, monkeypatch, tmp_path):
+    """A ported tree is 40-150 MB: a run over the sampled commits left every one in the temp dir."""
+    module, _ = tool
+    monkeypatch.setattr(module.tempfile, "tempdir", str(tmp_path))
+
+    def ported(label, repo, ref, python, folder, *a, **k):
+        (module.ported_at(folder, label) / "megatron").mkdir(parents=True)
+        return _result(label, f"{ref}{'0' * 38}")
+    monkeypatch.setattr(module, "verify_one", ported)
+    assert module.main(["--repo", "R", "--ledger", str(tmp_path / "ledger.md"), "--sampled"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.md"]
 
 
 def test_a_fix_that_changes_only_a_familys_readme_is_not_sampled(tmp_path):
