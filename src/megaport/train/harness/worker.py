@@ -52,7 +52,7 @@ import time
 from megaport import cpu_substitutions
 from megaport.train import example
 from megaport.train import failure
-from megaport.train import process_group
+from megaport.train.process_group import one_rank_group
 
 MODES = ("ported", "fusions-off")
 FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
@@ -276,7 +276,7 @@ def train(run: HarnessRun) -> dict:
     facts["megatron_core"] = sys.modules["megatron.core"].__file__
     if gpu:
         torch.cuda.set_device(0)
-    with process_group.one_rank_group(dist, "nccl" if gpu else "gloo", prefix="megaport-gpt-"):
+    with one_rank_group(dist, "nccl" if gpu else "gloo", prefix="megaport-gpt-"):
         parallel_state.initialize_model_parallel(1, 1)
         if gpu:
             tensor_parallel.model_parallel_cuda_manual_seed(run.seed)
