@@ -83,6 +83,8 @@ def test_the_ledger_records_each_sampled_commit_and_pending_runs_the_rest(tool, 
     assert runs == ["b20000000000"]
     assert len(module.ledger_rows(ledger)) == 2 and all(map(module.green, module.ledger_rows(ledger).values()))
     assert module.main([*argv, "--pending"]) == 2  # nothing left: said, not an empty green run
+    with pytest.raises(SystemExit):  # the ledger is of sampled commits: --pending alone is a usage error
+        module.main(["--repo", "R", "--ledger", str(ledger), "--pending"])
 
 
 def test_without_keep_no_ported_tree_is_left_behind(tool, monkeypatch, tmp_path):
