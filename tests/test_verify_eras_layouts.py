@@ -56,7 +56,7 @@ def _result(label, ref, failed=0):
             "summary": {"passed": 190, "failed": failed, "skipped": 0},
             "facts": {"loss_parity": parity, "families": {"gpt": {"loss_parity": parity}}},
             "failed": ["test_training[t5]"] if failed else [], "skipped": [],
-            "why_failed": {"test_training[t5]": ["AssertionError: loss parity"]} if failed else {}}
+            "why_failed": {"test_training[t5]": "AssertionError: loss parity"} if failed else {}}
 
 
 def test_the_ledger_records_each_sampled_commit_and_pending_runs_the_rest(tool, monkeypatch, tmp_path):
