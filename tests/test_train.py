@@ -304,6 +304,22 @@ def test_eras_without_mock_data_get_files_the_command_names(tmp_path):
     assert Path(argv[argv.index("--data-path") + 1] + ".idx").is_file()
     assert argv[argv.index("--vocab-file") + 1] == str(tmp_path / "vocab.json")  # ours, not the script's
     assert "--DDP-impl" in argv and "--checkpoint-activations" in argv  # the era's feature flags stay
+    assert "--legacy-tokenizer" not in argv  # an era without the flag never gets it
+
+
+def test_eras_with_a_hub_tokenizer_system_read_the_runs_vocabulary_files_offline(tmp_path):
+    """Main 2025-09-04 … 2026-02-09 built GPT2BPETokenizer through its new tokenizer system, which
+    loads gpt2 from the Hugging Face hub even with --vocab-file: offline, a 2025-09-09 commit's GPT,
+    Llama, Mixtral and DeepSeek trained nothing. Its --legacy-tokenizer reads the run's files."""
+    tree = tmp_path / "2025-09"
+    (tree / "megatron").mkdir(parents=True)
+    (tree / "megatron/arguments.py").write_text("group.add_argument('--data-path', nargs='*')\n"
+                                                "group.add_argument('--legacy-tokenizer', action='store_true')\n")
+    (tree / "examples").mkdir()
+    (tree / "examples/pretrain_gpt.sh").write_text(COMMAND_LINE)
+    cmd = pretrain.command(pretrain.Run(tree=str(tree), sizes=example.Sizes(steps=4, seq=32, batch=2)), str(tmp_path))
+    assert cmd.argv[cmd.argv.index("--tokenizer-type") + 1] == "GPT2BPETokenizer" and "--legacy-tokenizer" in cmd.argv
+    assert any(note.startswith("--legacy-tokenizer (the run's GPT-2 vocabulary") for note in cmd.notes)
 
 
 def _commit(tree: Path) -> str:

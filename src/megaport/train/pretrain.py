@@ -275,8 +275,23 @@ def _data(run: Run, family, tokens: list, workdir: str, notes: list) -> tuple:
         from megaport.train.data import indexed_data_flags
 
         data = indexed_data_flags(workdir, run.sizes, example.SHORT_RUN_CORE_DATA if core_data else example.SHORT_RUN)
+        data += _legacy_tokenizer(run, notes, "the run's GPT-2 vocabulary and merges files; the new tokenizer "
+                                              "system would load gpt2 from the Hugging Face hub, a download")
         described = "a tiny indexed dataset and byte-level GPT-2 vocabulary written for the run"
     return data, described, {}
+
+
+def _legacy_tokenizer(run: Run, notes: list, why: str) -> list:
+    """``--legacy-tokenizer`` where the era's parser has it (main 2025-09-04 … 2026-02-09, core 0.14
+    … 0.16): its new tokenizer system builds the GPT-2 and BERT WordPiece tokenizers from the
+    Hugging Face hub (``gpt2``, ``bert-large-cased``) even when given the run's vocabulary files,
+    which a machine without network (verify's runs, an air-gapped cluster) cannot download: a
+    2025-09-09 commit's GPT, Llama, Mixtral and DeepSeek trained nothing, ported or not. The legacy
+    system reads the files alone, as every other era does. Both sides of a comparison get it."""
+    if not example.parser_has(run.tree, "--legacy-tokenizer"):
+        return []
+    notes.append(f"--legacy-tokenizer ({why})")
+    return ["--legacy-tokenizer"]
 
 
 def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data: bool) -> tuple:
@@ -291,12 +306,9 @@ def _wordpiece_data(run: Run, tokens: list, workdir: str, notes: list, core_data
                                 example.SHORT_RUN_SENTENCES, tokenizer)
     described = f"a tiny indexed dataset of multi-sentence documents and a WordPiece vocabulary ({tokenizer}) " \
                 "written for the run"
-    if example.parser_has(run.tree, "--legacy-tokenizer"):
-        # core 0.14 on: the new tokenizer system takes BertWordPiece* from the Hugging Face hub
-        # (bert-large-cased), a download; the legacy one reads the run's vocabulary file
-        data += ["--legacy-tokenizer"]
-        notes.append("--legacy-tokenizer (the run's WordPiece vocabulary file; the new tokenizer system would "
-                     "download bert-large-cased from the Hugging Face hub)")
+    if legacy := _legacy_tokenizer(run, notes, "the run's WordPiece vocabulary file; the new tokenizer system "
+                                                "would download bert-large-cased from the Hugging Face hub"):
+        data += legacy
     elif (hub := hub_tokenizer_name(run.tree, tokenizer)) is not None:
         # core 0.17's tokenizer system has no --legacy-tokenizer and loads the hub model even
         # with --vocab-file: the hub's files for it, holding the run's vocabulary, offline
