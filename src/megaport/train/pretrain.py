@@ -282,7 +282,7 @@ def _data(run: Run, family, tokens: list, workdir: str, notes: list) -> tuple:
 
 
 def _legacy_tokenizer(run: Run, notes: list, why: str) -> list:
-    """``--legacy-tokenizer`` where the era's parser has it (main 2025-09-04 … 2026-02-09, core 0.14
+    """``--legacy-tokenizer`` where the era's parser has it (main 2025-09-04 … 2026-02-09, core 0.15
     … 0.16): its new tokenizer system builds the GPT-2 and BERT WordPiece tokenizers from the
     Hugging Face hub (``gpt2``, ``bert-large-cased``) even when given the run's vocabulary files,
     which a machine without network (verify's runs, an air-gapped cluster) cannot download: a
