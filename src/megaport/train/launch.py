@@ -13,7 +13,7 @@ end and the optimizer's state exists), the process's peak RSS on the CPU. A run 
 optimizer step exits 1 with one line (:mod:`megaport.train.resume_guard`), never 0; so does one whose
 checkpoint to resume from is truncated, corrupt or missing, before the script runs.
 A CPU rank then ends without the interpreter's teardown, having finished what an exit finishes
-(:func:`_exit_without_teardown`).
+(:func:`exit_without_teardown`).
 """
 
 from __future__ import annotations
@@ -59,26 +59,51 @@ def main(argv=None) -> int:
     if not argv or not argv[0].endswith(".py"):
         print("usage: python -m megaport.train.launch [--list-options] [--cpu] SCRIPT.py [ARGS...]", file=sys.stderr)
         return 2
+    if cpu and not listing:
+        from megaport.train.preloaded import client
+
+        code = client.delegate(argv[0], argv[1:])  # a rank forked from the tree's imports, where a server has them
+        if code is not None:
+            return code
     import torch
 
+    for line in prepare(torch, os.path.dirname(os.path.abspath(argv[0])), cpu):
+        print(line, flush=True)
+    return run_script(torch, argv[0], argv[1:], cpu, listing=listing)
+
+
+def prepare(torch, tree: str, cpu: bool) -> list:
+    """What a rank sets up before its script's imports (so they see it): the CPU substitutions, whose
+    lines it returns, and the vocabulary's order where the run asks. The preloaded server
+    (:mod:`megaport.train.preloaded.server`) does the same before its imports."""
+    lines = []
+    if cpu:
+        from megaport import cpu_substitutions
+
+        lines = [f"{cpu_substitutions.MARK} {line}"
+                 for line in cpu_substitutions.install(torch, "training", "deepspeed", tree=tree).lines]
+    if os.environ.get(vocab_order.ENV):
+        vocab_order.install()
+    return lines
+
+
+def run_script(torch, script: str, arguments: list, cpu: bool, *, listing: bool = False) -> int:
+    """The script as ``__main__`` with ``arguments``, after :func:`prepare`: its exit code, the
+    resume guard's verdict and the peak memory line; a CPU rank then ends here
+    (:func:`exit_without_teardown`)."""
     placement = contextlib.nullcontext()
     if cpu:
         from megaport import cpu_substitutions
 
-        tree = os.path.dirname(os.path.abspath(argv[0]))
-        for line in cpu_substitutions.install(torch, "training", "deepspeed", tree=tree).lines:
-            print(f"{cpu_substitutions.MARK} {line}", flush=True)
         placement = cpu_substitutions.install(torch, "placement-mode")  # taken back when the script returns
-    if os.environ.get(vocab_order.ENV):
-        vocab_order.install()
     if listing:
         _report_options()
-    elif problem := resume_guard.checkpoint_problem(argv[1:]):  # never a silent fresh start
+    elif problem := resume_guard.checkpoint_problem(arguments):  # never a silent fresh start
         print(problem, file=sys.stderr, flush=True)
         return 1
     steps = resume_guard.count_steps()
-    script = os.path.abspath(argv[0])
-    sys.argv = [script, *argv[1:]]
+    script = os.path.abspath(script)
+    sys.argv = [script, *arguments]
     sys.path.insert(0, os.path.dirname(script))
     code = 0
     try:
@@ -89,14 +114,14 @@ def main(argv=None) -> int:
     except BaseException as exc:
         failure.record(exc)  # what the rank died of, for the baseline's choice of shims
         raise
-    if code == 0 and not listing and (error := resume_guard.trained_nothing(argv[1:], steps)):
+    if code == 0 and not listing and (error := resume_guard.trained_nothing(arguments, steps)):
         print(error, file=sys.stderr, flush=True)
         code = 1
     if code == 0 and not listing:
         print(_peak(torch, cpu), flush=True)
     _release_process_group(torch)
     if cpu:
-        _exit_without_teardown(code)
+        exit_without_teardown(code)
     return code
 
 
@@ -112,7 +137,7 @@ def _release_process_group(torch) -> None:
         pass
 
 
-def _exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> None:
     """End a CPU rank as the interpreter would, less its teardown: the rank's non-daemon threads
     are joined and its ``atexit`` functions run (multiprocessing's join of its children, upstream's
     loggers), then the process exits without freeing module by module what the OS takes back at

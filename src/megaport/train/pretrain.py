@@ -34,6 +34,8 @@ from megaport.envpaths import with_paths_first
 from megaport.train import deepspeed_example, example, failure, log, torchrun
 from megaport.train.families.spec import legacy_gqa_view
 from megaport.train.layouts import registry as layouts
+from megaport.train.preloaded import servers
+from megaport.train.preloaded.protocol import MARK as RANK_START
 from megaport.train.shims import audit
 from megaport.train.launch import PEAK
 
@@ -428,14 +430,15 @@ def _run_pretrain_once(run: Run, env: dict | None = None, *, timeout: float = 18
 
         run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
                    **{k: v for k, (v, _) in registry.get(run.family).environment_for(run.tree).items()}, **cmd.env}
+        if run.device == "cpu":  # ranks forked from the entry point's imports, done once (megaport.train.preloaded)
+            run_env.update(servers.environment_for(os.path.join(cmd.cwd, _entry_point(cmd, run)), run_env))
         proc = _run_nodes(cmd, run_env, timeout)
         died_of, port_code = failure.read(failures), audit.read(audits)
     text = proc.stdout + "\n" + proc.stderr
     iterations = log.parse_log(text)
     if proc.returncode != 0 or not iterations:
         raise failure.RunFailed(log.failure_message(proc.returncode, proc.stdout, proc.stderr, len(iterations),
-                                                    entry_point=cmd.argv[cmd.argv.index("megaport.train.launch") + 1 +
-                                                                         (run.device == "cpu")],
+                                                    entry_point=_entry_point(cmd, run),
                                                     first_failure=died_of[0] if died_of else None),
                                 died_of)
     timed = [i.ms for i in iterations[run.warmup:]] or [i.ms for i in iterations]
@@ -450,8 +453,15 @@ def _run_pretrain_once(run: Run, env: dict | None = None, *, timeout: float = 18
             "peak_memory_bytes": int(peak.group(1)) if peak else None,
             "peak_memory_kind": peak.group(2) if peak else None,
             "port_log": log.port_lines(text),
+            "rank_start": sorted({line[len(RANK_START):].strip() for line in text.splitlines()
+                                  if line.startswith(RANK_START)}),
             "substitutions": [line[len(CPU_MARK):].strip() for line in text.splitlines() if line.startswith(CPU_MARK)],
             "baseline_port_code": port_code, "deepspeed_engine": "--deepspeed" in cmd.argv}
+
+
+def _entry_point(cmd: Command, run: Run) -> str:
+    """The script the command's ranks run (relative to the tree)."""
+    return cmd.argv[cmd.argv.index("megaport.train.launch") + 1 + (run.device == "cpu")]
 
 
 def _run_nodes(cmd: Command, env: dict, timeout: float) -> subprocess.CompletedProcess:
