@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from megaport.train import failure  # noqa: E402
-from megaport.train.preloaded import protocol, servers  # noqa: E402
+from megaport.train.preloaded import launcher, protocol, servers  # noqa: E402
 from megaport.train.torchrun import Ranks, node_commands  # noqa: E402
 
 SCRIPT = """\
@@ -61,8 +61,9 @@ def _imports(env) -> list:
     return path.read_text().split() if path.exists() else []
 
 
-def _torchrun(tree, env, *args, ranks=2, timeout=120):
+def _torchrun(tree, env, *args, ranks=2, timeout=120, forked=False):
     command = node_commands(Ranks(ranks), ["-m", "megaport.train.launch", "--cpu", "pretrain_fake.py", *args])[0]
+    command = launcher.forked_argv(command) if forked else command
     return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -78,8 +79,25 @@ def test_ranks_fork_from_one_import_and_see_their_own_rank(tree, env):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         for rank in ("0", "1"):
             assert f"rank {rank} of 2 value first threads 1 cwd {tree} args ['--flag', 'x']" in proc.stdout
-        assert proc.stdout.count(f"{protocol.MARK} forked from the preloaded imports of pretrain_fake.py") == 2
+        assert proc.stdout.count(f"{protocol.MARK} rank: forked from the preloaded imports of pretrain_fake.py") == 2
     assert len(_imports(env)) == 1, "two runs of two ranks imported more than once: the ranks did not fork"
+
+
+def test_torchrun_itself_forks_and_its_exit_says_whether_a_rank_failed(tree, env):
+    served = _served(tree, env)
+    proc = _torchrun(tree, served, forked=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{protocol.MARK} torchrun: forked from the preloaded imports" in proc.stdout
+    assert "rank 0 of 2" in proc.stdout and "rank 1 of 2" in proc.stdout
+    failed = _torchrun(tree, served, "--fail", forked=True)
+    assert failed.returncode != 0 and "ValueError: planted failure" in failed.stderr
+    assert len(_imports(env)) == 1
+
+
+def test_without_a_server_torchrun_and_its_ranks_start_fresh(tree, env):
+    proc = _torchrun(tree, {**env, protocol.ENV: "0"}, forked=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(_imports(env)) == 2 and protocol.MARK not in proc.stdout
 
 
 def test_without_a_server_every_rank_imports(tree, env):
@@ -160,7 +178,7 @@ def test_a_rank_in_another_environment_starts_fresh(tree, env):
     served = _served(tree, env)
     proc = _torchrun(tree, {**served, "SOME_SETTING": "read at import, perhaps"}, ranks=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "refused: its environment differs in SOME_SETTING" in proc.stdout
+    assert "rank: fresh interpreter (the preloaded server refused: its environment differs in SOME_SETTING" in proc.stdout
     assert len(_imports(env)) == 2  # the server's and the fresh rank's
 
 

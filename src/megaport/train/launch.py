@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if cpu and not listing:
         from megaport.train.preloaded import client
 
-        code = client.delegate(argv[0], argv[1:])  # a rank forked from the tree's imports, where a server has them
+        code = client.delegate("rank", argv[1:], script=argv[0])  # a rank forked from the tree's imports, where a server has them
         if code is not None:
             return code
     import torch

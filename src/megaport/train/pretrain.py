@@ -35,7 +35,8 @@ from megaport.train import deepspeed_example, example, failure, log, torchrun
 from megaport.train.families.spec import legacy_gqa_view
 from megaport.train.layouts import registry as layouts
 from megaport.train.preloaded import servers
-from megaport.train.preloaded.protocol import MARK as RANK_START
+from megaport.train.preloaded import launcher as forked_launcher
+from megaport.train.preloaded.protocol import ENV as PRELOADED, MARK as STARTED
 from megaport.train.shims import audit
 from megaport.train.launch import PEAK
 
@@ -453,8 +454,8 @@ def _run_pretrain_once(run: Run, env: dict | None = None, *, timeout: float = 18
             "peak_memory_bytes": int(peak.group(1)) if peak else None,
             "peak_memory_kind": peak.group(2) if peak else None,
             "port_log": log.port_lines(text),
-            "rank_start": sorted({line[len(RANK_START):].strip() for line in text.splitlines()
-                                  if line.startswith(RANK_START)}),
+            "started": sorted({line[len(STARTED):].strip() for line in text.splitlines()
+                               if line.startswith(STARTED)}),
             "substitutions": [line[len(CPU_MARK):].strip() for line in text.splitlines() if line.startswith(CPU_MARK)],
             "baseline_port_code": port_code, "deepspeed_engine": "--deepspeed" in cmd.argv}
 
@@ -466,11 +467,13 @@ def _entry_point(cmd: Command, run: Run) -> str:
 
 def _run_nodes(cmd: Command, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """Run the command's launchers, the other nodes' beside the first, and join their output (the
-    last rank, which logs the losses, may be on any node); the first failing exit code wins."""
-    others = [subprocess.Popen(argv, cwd=cmd.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               stdin=subprocess.DEVNULL) for argv in cmd.other_nodes]
+    last rank, which logs the losses, may be on any node); the first failing exit code wins. With
+    a preloaded server in ``env``, each launcher is torchrun forked from it."""
+    launched = forked_launcher.forked_argv if env.get(PRELOADED) else list
+    others = [subprocess.Popen(launched(argv), cwd=cmd.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, stdin=subprocess.DEVNULL) for argv in cmd.other_nodes]
     try:
-        first = subprocess.run(cmd.argv, cwd=cmd.cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        first = subprocess.run(launched(cmd.argv), cwd=cmd.cwd, env=env, capture_output=True, text=True, timeout=timeout,
                                stdin=subprocess.DEVNULL)
         outputs = [other.communicate(timeout=timeout) for other in others]
     finally:

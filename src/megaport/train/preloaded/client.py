@@ -1,5 +1,6 @@
-"""The rank's own process when a preloaded server runs for its tree: it hands the rank to the server
-and stands in for it towards torchrun (signals in, exit code out). Torch-free."""
+"""The process torchrun starts for a rank (or the one that would be torchrun) when a preloaded server
+runs for its tree: it hands the work to the server and stands in for the forked child towards its
+own parent (signals in, exit code out). Torch-free."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import sys
 from megaport.train.preloaded import protocol
 
 #: what torchrun (or a user's Ctrl-C) may send the rank: passed on to the child that is the rank
+_NAMES = {"rank": "rank", "launcher": "torchrun"}
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def delegate(script: str, arguments: list) -> int | None:
-    """Run ``script`` with ``arguments`` in a child of the server ``$MEGAPORT_PRELOADED_RANKS`` names:
-    its exit code, or None (one line printed) where there is no server or it refused: the caller
-    then starts the rank itself."""
+def delegate(kind: str, arguments: list, script: str = "") -> int | None:
+    """Run a ``rank`` of ``script`` (or torchrun's ``launcher``) with ``arguments`` in a child of
+    the server ``$MEGAPORT_PRELOADED_RANKS`` names: its exit code, or None (one line printed) where
+    there is no server or it refused: the caller then starts it itself."""
     path = os.environ.get(protocol.ENV)
     if not path or path == "0":
         return None
@@ -28,18 +30,19 @@ def delegate(script: str, arguments: list) -> int | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
         socket.send_fds(sock, [b"F"], [0, 1, 2])
-        protocol.send(sock, {"script": os.path.abspath(script), "arguments": list(arguments), "cwd": os.getcwd(),
-                             "env": dict(os.environ)})
+        protocol.send(sock, {"kind": kind, "script": os.path.abspath(script) if script else "",
+                             "arguments": list(arguments), "cwd": os.getcwd(), "env": dict(os.environ)})
         answer = protocol.receive(sock)
     except OSError as exc:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
-        print(f"{protocol.MARK} fresh interpreter (the preloaded server at {path} did not answer: {exc})", flush=True)
+        print(f"{protocol.MARK} {_NAMES[kind]}: fresh interpreter (the preloaded server at {path} did not answer: "
+              f"{exc})", flush=True)
         return None
     if answer is None or "pid" not in answer:
         sock.close()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
         why = "it closed the connection" if answer is None else answer.get("refused", answer)
-        print(f"{protocol.MARK} fresh interpreter (the preloaded server refused: {why})", flush=True)
+        print(f"{protocol.MARK} {_NAMES[kind]}: fresh interpreter (the preloaded server refused: {why})", flush=True)
         return None
     return _stand_in(sock, answer["pid"])
 

@@ -1,8 +1,9 @@
 """What a rank's process and the preloaded server say to each other over a Unix socket (torch-free:
 the rank's own process must start in milliseconds).
 
-A request is the rank's stdin, stdout and stderr (passed as file descriptors) and one JSON message:
-its arguments, environment and working folder. The answers are JSON messages: ``{"pid": N}`` (the
+A request is the process's stdin, stdout and stderr (passed as file descriptors) and one JSON
+message: what to run (``kind``: a ``rank``, the script and its arguments; or torchrun's
+``launcher``, its arguments), the environment and working folder. The answers are JSON messages: ``{"pid": N}`` (the
 child runs), then ``{"exit": code}`` (negative: killed by that signal); or ``{"refused": why}``.
 """
 
@@ -14,8 +15,8 @@ import struct
 
 #: set in a run's environment to the server's socket; "0" in the verifying process turns forking off
 ENV = "MEGAPORT_PRELOADED_RANKS"
-#: where the line each rank prints about its start begins
-MARK = "> megaport: rank start:"
+#: where the line each rank (and torchrun) prints about its start begins
+MARK = "> megaport: started:"
 #: the environment that differs from rank to rank and run to run without changing what the imports
 #: did: torchrun's rank variables, megaport's per-run folders. Everything else must be equal.
 PER_RUN = frozenset({

@@ -1,5 +1,5 @@
 """The preloaded process: imports torch and what the entry point imports, once, then forks a child
-for each rank that asks (see the package's docstring for why).
+for each rank that asks, and for torchrun itself (see the package's docstring for why).
 
     python -m megaport.train.preloaded.server SOCKET SCRIPT --owner PID
 
@@ -48,7 +48,9 @@ class Preloaded:
         """Why this server cannot run ``request`` as a fresh rank would ("" where it can)."""
         if self.refused:
             return self.refused
-        if request["script"] != self.script:
+        if request["kind"] not in ("rank", "launcher"):
+            return f"it runs ranks and torchrun, not {request['kind']!r}"
+        if request["kind"] == "rank" and request["script"] != self.script:
             return f"it imported for {self.script}, not {request['script']}"
         wanted = protocol.imports_environment(request["env"])
         differing = sorted(k for k in set(wanted) | set(self.environment) if wanted.get(k) != self.environment.get(k))
@@ -117,6 +119,7 @@ def preload(script: str) -> Preloaded:
         state.torch, state.threads = torch, os_threads()
         state.lines = launch.prepare(torch, os.path.dirname(script), cpu=True)
         sys.path.insert(0, os.path.dirname(script))
+        sys.argv = [script]  # what an import that reads it sees in a rank (the run's flags come later)
         import_like(script)
     except BaseException as exc:  # noqa: BLE001 - the rank will meet it itself, in a fresh interpreter
         state.refused = f"its imports failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
@@ -237,8 +240,8 @@ class Server:
                 conn.close()
 
     def child(self, conn, fds: list, request: dict) -> None:
-        """The rank: the request's streams, folder and per-run environment, the fresh rank's output
-        so far, then the script as :mod:`megaport.train.launch` runs it; never returns."""
+        """The rank (or torchrun): the request's streams, folder and per-run environment, then
+        :meth:`rank` or :meth:`launcher`; never returns."""
         code = 1
         try:
             self.selector.close()
@@ -254,27 +257,43 @@ class Server:
             for name in [k for k in os.environ if protocol.per_run(k)]:
                 del os.environ[name]
             os.environ.update({k: v for k, v in request["env"].items() if protocol.per_run(k)})
-            torch = self.state.torch
-            threads = os.environ.get("OMP_NUM_THREADS", "")
-            torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else self.default_threads)
-            print(f"{protocol.MARK} forked from the preloaded imports of {os.path.basename(self.state.script)} "
-                  f"(server {os.getppid()})", flush=True)
-            for line in self.state.lines:
-                print(line, flush=True)
-            sys.stdout.write(self.state.stdout)
-            sys.stderr.write(self.state.stderr)
-            from megaport.train import launch
-
-            code = launch.run_script(torch, request["script"], request["arguments"], cpu=True)
+            code = (self.rank if request["kind"] == "rank" else self.launcher)(request)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the rank's exit
+        except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the process's exit
             sys.excepthook(*sys.exc_info())
             code = 1
         finally:
             from megaport.train import launch
 
             launch.exit_without_teardown(code)
+
+    def rank(self, request: dict) -> int:
+        """The fresh rank's thread count and output so far, then the script as
+        :mod:`megaport.train.launch` runs it."""
+        torch = self.state.torch
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else self.default_threads)
+        print(f"{protocol.MARK} rank: forked from the preloaded imports of {os.path.basename(self.state.script)} "
+              f"(server {os.getppid()})", flush=True)
+        for line in self.state.lines:
+            print(line, flush=True)
+        sys.stdout.write(self.state.stdout)
+        sys.stderr.write(self.state.stderr)
+        from megaport.train import launch
+
+        return launch.run_script(torch, request["script"], request["arguments"], cpu=True)
+
+    def launcher(self, request: dict) -> int:
+        """torchrun's own main with the request's arguments (its ranks then ask this server too)."""
+        from torch.distributed import run
+
+        os.environ.clear()  # torchrun hands its environment to the ranks: the run's, not what the imports set
+        os.environ.update(request["env"])
+        print(f"{protocol.MARK} torchrun: forked from the preloaded imports (server {os.getppid()})", flush=True)
+        sys.argv = ["torchrun", *request["arguments"]]
+        run.main()
+        return 0
 
 
 def _kill(pid: int) -> None:
