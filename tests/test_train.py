@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megaport.train import data, example, failure, log, pretrain
+from megaport.train.preloaded import protocol as preloaded, servers
 from megaport.train.shims import registry
 # The three shapes upstream's example scripts have had (abridged): arrays (2024 on), quoted
 # strings (2022-2023), one command line (2020-2021).
@@ -259,10 +260,15 @@ def test_run_pretrain_launches_torchrun_with_the_cpu_substitutions_and_reads_the
     assert result["data"] == "mock data, NullTokenizer"
     assert any(s.startswith("process group") for s in result["substitutions"])
     assert result["peak_memory_kind"] == "process max RSS" and result["peak_memory_bytes"] > 2**20
+    again = pretrain.run_pretrain(run)  # torchrun and the rank forked from the imports the first run's server did
+    assert [f"{name}: forked from the preloaded imports" in " ".join(again["started"]) for name in ("torchrun", "rank")] \
+        == [True, True], again["started"]
+    assert again["losses"] == result["losses"] and again["substitutions"] == result["substitutions"]
 
 
+@pytest.mark.parametrize("forked", [False, True], ids=["fresh", "forked"])
 @pytest.mark.parametrize("exit_code", [0, 3])
-def test_a_cpu_rank_ends_without_teardown_but_loses_nothing(tmp_path, exit_code):
+def test_a_cpu_rank_ends_without_teardown_but_loses_nothing(tmp_path, exit_code, forked):
     """A CPU rank exits without the interpreter's teardown, yet what a normal exit finishes is
     finished: a writer thread still running (an async checkpoint's) and the atexit functions,
     and the script's exit code is the process's."""
@@ -277,9 +283,11 @@ atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
 sys.exit({exit_code})
 """)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env.update(servers.environment_for(str(script), env) if forked else {preloaded.ENV: "0"})
     proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--cpu", str(script)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == exit_code, proc.stderr[-2000:]
+    assert ("rank: forked from the preloaded imports" in proc.stdout) == forked
     assert (tmp_path / "thread").read_text() == "written" and (tmp_path / "atexit").read_text() == "ran"
     assert ("> megaport: peak memory" in proc.stdout) == (exit_code == 0)  # flushed before the exit
 

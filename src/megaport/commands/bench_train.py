@@ -24,6 +24,7 @@ from pathlib import Path
 from megaport import device as devices
 from megaport.device import require_torch, resolve_device
 from megaport.porttree import ported_tree, subprocess_env
+from megaport.train.preloaded.protocol import ENV as PRELOADED
 from megaport.errors import MegaportError
 from megaport.report import write_json
 
@@ -75,7 +76,9 @@ def bench_train(options: TrainBenchOptions, console) -> int:
                             "on one rank", exit_code=2)
     side = (functools.partial(_pretrain_side, family=family.name, layout=options.layout) if entry == "pretrain"
             else _harness_side)
-    env = subprocess_env(tree)
+    # every rank a fresh interpreter, as in a user's run: a forked rank's peak RSS counts only the
+    # pages it touched (megaport.train.preloaded), and bench compares peak memory
+    env = {**subprocess_env(tree), PRELOADED: "0"}
     through = (f"the tree's own {family.entry_point} under torchrun ({family.name})" if entry == "pretrain"
                else ENTRIES[entry])
     console.print(f"bench --train {tree} ({state.series}, {state.upstream_ref}) on {kind} through {through}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))

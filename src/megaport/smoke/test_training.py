@@ -121,7 +121,7 @@ def ported_run(smoke, family):
     document["entry_point"] = entry
     keep = ("entry_point", "command", "data", "notes", "ms_per_iter", "tokens_per_s", "peak_memory_bytes",
             "peak_memory_kind", "port_log", "substitutions", "layer_spec", "fusions", "fusions_after_config", "ddp",
-            "optimizer", "upstream_parser", "transformer_impl_default", "log", "engine")
+            "optimizer", "upstream_parser", "transformer_impl_default", "log", "engine", "started")
     training = {k: document[k] for k in keep if k in document}
     losses = [round(v, 4) for v in document["losses"]]
     facts.update(training=training, training_losses=losses, iterations=len(losses))

@@ -36,7 +36,7 @@ from megaport.train.families.spec import legacy_gqa_view
 from megaport.train.layouts import registry as layouts
 from megaport.train.preloaded import servers
 from megaport.train.preloaded import launcher as forked_launcher
-from megaport.train.preloaded.protocol import ENV as PRELOADED, MARK as STARTED
+from megaport.train.preloaded.protocol import MARK as STARTED
 from megaport.train.shims import audit
 from megaport.train.launch import PEAK
 
@@ -431,9 +431,10 @@ def _run_pretrain_once(run: Run, env: dict | None = None, *, timeout: float = 18
 
         run_env = {**environment(run.tree, env), failure.FAILURE_DIR_ENV: failures, audit.AUDIT_DIR_ENV: audits,
                    **{k: v for k, (v, _) in registry.get(run.family).environment_for(run.tree).items()}, **cmd.env}
-        if run.device == "cpu":  # ranks forked from the entry point's imports, done once (megaport.train.preloaded)
-            run_env.update(servers.environment_for(os.path.join(cmd.cwd, _entry_point(cmd, run)), run_env))
-        proc = _run_nodes(cmd, run_env, timeout)
+        # on the CPU, torchrun and the ranks fork from the entry point's imports, done once (megaport.train.preloaded)
+        served = servers.environment_for(os.path.join(cmd.cwd, _entry_point(cmd, run)), run_env) \
+            if run.device == "cpu" else {}
+        proc = _run_nodes(cmd, {**run_env, **served}, timeout, forked=bool(served))
         died_of, port_code = failure.read(failures), audit.read(audits)
     text = proc.stdout + "\n" + proc.stderr
     iterations = log.parse_log(text)
@@ -465,11 +466,11 @@ def _entry_point(cmd: Command, run: Run) -> str:
     return cmd.argv[cmd.argv.index("megaport.train.launch") + 1 + (run.device == "cpu")]
 
 
-def _run_nodes(cmd: Command, env: dict, timeout: float) -> subprocess.CompletedProcess:
+def _run_nodes(cmd: Command, env: dict, timeout: float, *, forked: bool = False) -> subprocess.CompletedProcess:
     """Run the command's launchers, the other nodes' beside the first, and join their output (the
-    last rank, which logs the losses, may be on any node); the first failing exit code wins. With
-    a preloaded server in ``env``, each launcher is torchrun forked from it."""
-    launched = forked_launcher.forked_argv if env.get(PRELOADED) else list
+    last rank, which logs the losses, may be on any node); the first failing exit code wins.
+    ``forked``: ``env`` names a preloaded server, and each launcher is torchrun forked from it."""
+    launched = forked_launcher.forked_argv if forked else list
     others = [subprocess.Popen(launched(argv), cwd=cmd.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, stdin=subprocess.DEVNULL) for argv in cmd.other_nodes]
     try:

@@ -329,7 +329,7 @@ def tolerance(tree: str, family: str, compared: dict) -> parity.Tolerance:
 
 def _kept(document: dict) -> dict:
     """What the report keeps of a run: its command, notes, speed and what the port said."""
-    return {k: document[k] for k in ("command", "notes", "ms_per_iter", "port_log", "substitutions", "losses",
+    return {k: document[k] for k in ("command", "notes", "ms_per_iter", "port_log", "substitutions", "started", "losses",
                                      "grad_norms") if k in document}
 
 

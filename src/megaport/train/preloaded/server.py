@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import tempfile
+import traceback
 import warnings
 
 from megaport.train.preloaded import protocol
@@ -292,7 +293,13 @@ class Server:
         os.environ.update(request["env"])
         print(f"{protocol.MARK} torchrun: forked from the preloaded imports (server {os.getppid()})", flush=True)
         sys.argv = ["torchrun", *request["arguments"]]
-        run.main()
+        try:
+            run.main()
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - printed from torchrun's own frames, as torchrun prints it
+            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+            return 1
         return 0
 
 

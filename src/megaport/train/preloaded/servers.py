@@ -53,15 +53,16 @@ class _Server:
         self.log.close()
 
 
-def enabled() -> bool:
-    return os.environ.get(protocol.ENV, "") != "0"
+def enabled(env: dict) -> bool:
+    """Not turned off (``$MEGAPORT_PRELOADED_RANKS=0``) in this process nor in the run's environment."""
+    return "0" not in (os.environ.get(protocol.ENV), env.get(protocol.ENV))
 
 
 def environment_for(script: str, env: dict, python: str | None = None) -> dict:
     """What to add to a CPU run's environment ``env`` so its ranks fork from a server that has
     imported ``script``'s imports in that environment: ``{ENV: socket}``, or {} when turned off
     or no server could start (the ranks then start fresh, as without one)."""
-    if not enabled():
+    if not enabled(env):
         return {}
     python = python or sys.executable
     key = (python, os.path.abspath(script), json.dumps(protocol.imports_environment(env), sort_keys=True))
