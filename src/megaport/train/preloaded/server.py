@@ -57,12 +57,16 @@ class Preloaded:
         differing = sorted(k for k in set(wanted) | set(self.environment) if wanted.get(k) != self.environment.get(k))
         if differing:
             return f"its environment differs in {', '.join(differing[:5])}"
+        return ""
+
+    def stale(self) -> str:
+        """Why the imports no longer hold: the first imported file changed since (a test that plants
+        a fault in the tree between two runs), or ""."""
         return changed_file(self.files)
 
 
 def changed_file(files: dict) -> str:
-    """Why the imports are stale: the first imported file changed since (a test that plants a fault
-    in the tree between two runs), or ""."""
+    """The first of ``files`` (path -> (mtime_ns, size)) changed since, said in a few words; or ""."""
     for path, seen in files.items():
         try:
             now = os.stat(path)
@@ -152,12 +156,14 @@ class Server:
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ)
         self.children: dict = {}  # pid -> the connection of the rank's own process
-        self.draining = False
+        self.draining = self.stop_asked = False
         self.default_threads = state.torch.get_num_threads() if state.torch is not None else 1
 
     def serve(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.drain())
+        signal.signal(signal.SIGTERM, self.ask_to_stop)
         while not (self.draining and not self.children):
+            if self.stop_asked:
+                self.drain()
             for key, _ in self.selector.select(_TICK):
                 if key.fileobj is self.listener and not self.draining:
                     self.accept()
@@ -168,6 +174,10 @@ class Server:
                 for pid in self.children:
                     _kill(pid)
                 self.drain()
+
+    def ask_to_stop(self, signum, frame) -> None:
+        """SIGTERM (the owner's stop): drained at the loop's next turn, never in the middle of one."""
+        self.stop_asked = True
 
     def drain(self) -> None:
         """Take no more ranks (the socket goes at once, so the owner starts another server); end
@@ -185,12 +195,13 @@ class Server:
             conn.settimeout(30)
             _, fds, _, _ = socket.recv_fds(conn, 1, 3)
             request = protocol.receive(conn)
-            why = "no request" if request is None else self.state.refusal(request)
+            stale = self.state.stale()
+            why = "no request" if request is None else self.state.refusal(request) or stale
             if why:
                 protocol.send(conn, {"refused": why})
                 conn.close()
-                if "changed since" in why or "is gone since" in why:
-                    self.drain()
+                if stale:
+                    self.drain()  # the owner starts a server on today's files for the next run
                 return
             conn.settimeout(None)
             pid = os.fork()
