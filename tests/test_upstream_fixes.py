@@ -1224,3 +1224,88 @@ def test_where_the_dispatcher_keeps_its_viewed_counts_the_port_leaves_it_alone(t
     module = _dispatcher(tmp_path, fixed)
     preprocess = module.MoEAlltoAllTokenDispatcher.preprocess
     assert _ported(module).MoEAlltoAllTokenDispatcher.preprocess is preprocess
+
+
+# -- main 5f5741db9b: the MoE experts import a decorator from a module upstream never had ------------
+
+DECORATED_NAME = "megatron.core.transformer.moe.experts"
+#: 5f5741db9b's experts.py, as far as the import and one use of it go
+DECORATED_EXPERTS = '''"""Experts."""
+import torch
+
+from megatron.core.backwards_compatibility_decorators import deprecated
+
+
+class GroupedMLP(torch.nn.Module):
+    @deprecated(version="0.16", removal_version="0.18", alternative="TEGroupedMLP")
+    def __init__(self):
+        super().__init__()
+'''
+#: megatron/core/utils.py's decorator at that commit (the warning it gives, and the object it returns)
+DECORATOR_UTILS = '''import functools, warnings
+
+
+def deprecated(version, removal_version=None, alternative=None, reason=None):
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            warnings.warn(f"{func.__qualname__} is deprecated since {version}", DeprecationWarning)
+            return func(*args, **kwargs)
+        return wrapper
+    return decorator
+'''
+
+
+def _experts_tree(tmp_path, experts=DECORATED_EXPERTS):
+    for package in ("megatron", "megatron/core", "megatron/core/transformer", "megatron/core/transformer/moe"):
+        (tmp_path / package).mkdir(exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "megatron/core/utils.py").write_text(DECORATOR_UTILS)
+    (tmp_path / "megatron/core/transformer/moe/experts.py").write_text(experts)
+
+
+def _load_experts(tmp_path, monkeypatch, source_of):
+    import types
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "megatron/core/transformer/moe/experts.py"
+    module = types.ModuleType(DECORATED_NAME)
+    module.__file__ = str(path)
+    exec(source_of(path.read_text(), str(path)), module.__dict__)
+    return module
+
+
+def test_unfixed_the_experts_stop_every_import_and_the_shim_answers_that_failure(tmp_path, monkeypatch,
+                                                                             own_megatron_modules):
+    _experts_tree(tmp_path)
+    with pytest.raises(ModuleNotFoundError, match="backwards_compatibility_decorators") as raised:
+        _load_experts(tmp_path, monkeypatch, lambda source, name: compile(source, name, "exec"))
+    assert registry.pick([failure.from_exception(raised.value)], []) == "deprecated-decorator-import"
+    assert registry.applies("deprecated-decorator-import", str(tmp_path)) is True
+
+
+def _by_the_port_fix(source, filename):
+    code = port_support.load().upstream_fixes._fixed_module_code(DECORATED_NAME, source, filename)
+    assert code is not None
+    return code
+
+
+def _by_the_decorator_shim(source, filename):
+    return compile(registry.REGISTRY["deprecated-decorator-import"].moved_import(source), filename, "exec")
+
+
+@pytest.mark.parametrize("source_of", [_by_the_port_fix, _by_the_decorator_shim], ids=["port", "shim"])
+def test_the_experts_import_the_decorator_from_where_upstreams_fix_does(tmp_path, monkeypatch, source_of,
+                                                                       own_megatron_modules):
+    _experts_tree(tmp_path)
+    module = _load_experts(tmp_path, monkeypatch, source_of)
+    with pytest.warns(DeprecationWarning, match="GroupedMLP.__init__ is deprecated since 0.16"):
+        assert isinstance(module.GroupedMLP(), torch.nn.Module)
+
+
+def test_where_the_decorator_comes_from_utils_the_port_and_the_shim_leave_the_experts_alone(tmp_path):
+    fixed = DECORATED_EXPERTS.replace("megatron.core.backwards_compatibility_decorators", "megatron.core.utils")
+    _experts_tree(tmp_path, fixed)
+    assert port_support.load().upstream_fixes._fixed_module_code(DECORATED_NAME, fixed, "x.py") is None
+    assert registry.REGISTRY["deprecated-decorator-import"].moved_import(fixed) == fixed
+    assert registry.applies("deprecated-decorator-import", str(tmp_path)) is False

@@ -440,6 +440,28 @@ _PROJECTOR_TE_IMPORT = ("the multimodal projector imports TransformerEngine's ch
                         "it: its use_te is False)")
 
 
+_DEPRECATED_MOVED = ("the MoE experts import upstream's deprecation decorator from megatron.core.utils, as upstream's "
+                     "4bdd7b10e6 does (5f5741db9b imported it from a module that never existed: megatron.core "
+                     "imported nowhere)")
+
+
+class _ImportFromMoved(ast.NodeTransformer):
+    """A module-level ``from OLD import NAME`` -> ``from NEW import NAME``: a name upstream imported
+    from a module it never had, where upstream's fix imports it from where it is. A row of
+    :data:`_SOURCE_FIXES` binds OLD, NAME and NEW (``functools.partial``)."""
+
+    def __init__(self, old: str, name: str, new: str):
+        self.old, self.name, self.new, self.found = old, name, new, False
+
+    def visit_Module(self, node):
+        for statement in node.body:
+            if (isinstance(statement, ast.ImportFrom) and statement.module == self.old and statement.level == 0
+                    and [alias.name for alias in statement.names] == [self.name]):
+                statement.module = self.new
+                self.found = True
+        return node
+
+
 def _fixed_module_code(fullname: str, source: str, filename: str):
     """``fullname``'s code compiled from ``source`` as :data:`_SOURCE_FIXES` change it, said once;
     None where no fix is listed for it or none finds its statement (upstream's code runs as it is)."""
@@ -469,6 +491,11 @@ _SOURCE_FIXES = {
         (functools.partial(_ImportFromGuarded, "transformer_engine.pytorch.distributed", "checkpoint"), _PROJECTOR_TE_IMPORT),),
     # Megatron-Bridge, where upstream's docs convert Llama since 2026-05 (its namespace is megatron's)
     "megatron.bridge.peft.lora_layers": ((_BridgeTeImportGuarded, _BRIDGE_LORA),),
+    # main 5f5741db9b (2025-12-16 15:49) until the next commit, 4bdd7b10e6 (17:44): every import of
+    # megatron.core reached the experts module and stopped there (ModuleNotFoundError)
+    "megatron.core.transformer.moe.experts": (
+        (functools.partial(_ImportFromMoved, "megatron.core.backwards_compatibility_decorators", "deprecated",
+                           "megatron.core.utils"), _DEPRECATED_MOVED),),
 }
 
 

@@ -1,6 +1,7 @@
 """What a shim that guards one unguarded import line needs: where the unported tree has the line,
 the module's source with the line replaced, and the source fix that installs it. One place for the
-shims of that shape (``te-cross-entropy-import``, ``te-projector-import``), each keeping its own
+shims of that shape (``te-cross-entropy-import``, ``te-projector-import``, and
+``deprecated-decorator-import``, whose line moves rather than guards), each keeping its own
 constants and its own reason."""
 
 from __future__ import annotations

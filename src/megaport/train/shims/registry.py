@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megaport.train.shims import (apex_pytorch, bert_te_spec, chained_clip_total_norm, cpu_init_rank_name, dcp_write_item, deepspeed_compression, deepspeed_loss_scale, dp_reshardable_no_grad,
+from megaport.train.shims import (apex_pytorch, bert_te_spec, chained_clip_total_norm, cpu_init_rank_name, dcp_write_item, deprecated_decorator_import, deepspeed_compression, deepspeed_loss_scale, dp_reshardable_no_grad,
                                   deepspeed_tensor_types, empty_rank_groups, fork_attention_view, fork_bert_loss, fork_bert_moe_losses, fork_deepspeed_train,
                                   fork_fp16_loss_scale, fork_train_step, fp8_shard_without_te, fork_legacy_mpu, fork_t5_loss, fork_t5_moe_losses,
                                   fused_kernel_build, grouped_gemm_loop, kernel_masked_rows, layer_count_mpu, mla_attention,
@@ -19,7 +19,7 @@ from megaport.train.shims import (apex_pytorch, bert_te_spec, chained_clip_total
 
 #: Every shim, in the order a failure is offered to them (the first whose pattern matches answers).
 REGISTRY = {shim.NAME: shim for shim in (
-    te_cross_entropy_import, te_projector_import, te_import_stub, stack_names, apex_pytorch, fused_kernel_build, te_norm, te_spec, bert_te_spec,
+    te_cross_entropy_import, te_projector_import, deprecated_decorator_import, te_import_stub, stack_names, apex_pytorch, fused_kernel_build, te_norm, te_spec, bert_te_spec,
     deepspeed_compression, wgrad_contiguous, fork_attention_view, deepspeed_tensor_types, fork_deepspeed_train, fork_legacy_mpu,
     deepspeed_loss_scale, fork_t5_moe_losses, fork_bert_moe_losses, fork_t5_loss, grouped_gemm_loop, mla_attention,
     mla_cp_comm_type, mla_cache_update_query, mla_rotary_cos_sin, mla_sequence_len_offset, kernel_masked_rows,
