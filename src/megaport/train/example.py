@@ -10,6 +10,7 @@ the script has it, under the name the era's parser knows it by (:data:`RENAMED`)
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -153,31 +154,58 @@ def parser_help_flags(tree: str) -> frozenset:
     substitutions: the parser is built after the imports): the unported upstream commit's parser
     where the tree records one (:mod:`megaport.train.tree_files`), exported once per process."""
     import json
-    import subprocess
-    import sys
 
-    from megaport.envpaths import with_paths_first
     from megaport.train.launch import OPTIONS
 
     if tree not in _HELP_CACHE:
         folder = _unported_folder(tree)
-        proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--list-options", "--cpu",
-                               "pretrain_gpt.py"], cwd=folder, env=with_paths_first(None, folder),
-                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        lines = [line[len(OPTIONS):] for line in proc.stdout.splitlines() if line.startswith(OPTIONS)]
+        stdout, stderr = _run_to_the_parser(folder)
+        lines = [line[len(OPTIONS):] for line in stdout.splitlines() if line.startswith(OPTIONS)]
         if not lines:  # no parser, no era facts: every flag would read as absent and its layouts vanish
             raise MegaportError(f"upstream's pretrain_gpt.py ({folder}) stopped before its argument parser, so "
-                                f"the era's flags cannot be read: {_last_error(proc.stderr)}", exit_code=2)
+                                f"the era's flags cannot be read: {_last_error(stderr, folder)}", exit_code=2)
         _HELP_CACHE[tree] = frozenset(json.loads(lines[0]))
     return _HELP_CACHE[tree]
 
 
-def _last_error(stderr: str) -> str:
-    """The exception line of a traceback, with what to do where a package is missing."""
+def _run_to_the_parser(folder: str, attempts: int = 4) -> tuple:
+    """(stdout, stderr) of upstream's pretrain_gpt.py in ``folder`` run to its argument parser; where
+    it dies of a failure a baseline shim answers (an upstream window whose imports fail on every
+    machine: main 5f5741db9b's experts imported a module upstream never had), once more with that
+    shim, as the unported baseline runs: a shim mends an import, never the parser it reaches."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from megaport.envpaths import with_paths_first
+    from megaport.train import failure
+    from megaport.train.launch import OPTIONS
+    from megaport.train.shims import registry as shims
+
+    names: list = []
+    for _ in range(attempts):
+        with tempfile.TemporaryDirectory(prefix="megaport-parser-") as failures:
+            env = shims.environment(with_paths_first(None, folder), names) if names else with_paths_first(None, folder)
+            proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--list-options", "--cpu",
+                                   "pretrain_gpt.py"], cwd=folder, env={**env, failure.FAILURE_DIR_ENV: failures},
+                                  capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            died_of = failure.read(failures)
+        needed = None if OPTIONS in proc.stdout else shims.pick(died_of, names)
+        if needed is None:
+            break
+        names.append(needed)
+    return proc.stdout, proc.stderr
+
+
+def _last_error(stderr: str, folder: str = "") -> str:
+    """The exception line of a traceback, with what to do where a package is missing (not where
+    the missing module is the tree's own: upstream's bug, not the user's install)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     error = next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)),
                  lines[-1] if lines else "no output")
     missing = re.match(r"ModuleNotFoundError: No module named '([\w]+)", error)
+    if missing and folder and os.path.isdir(os.path.join(folder, missing.group(1))):
+        return f"{error} (a module of the tree's own package: upstream's code at this commit)"
     return f"{error} (upstream imports it: pip install {missing.group(1)})" if missing else error
 
 
