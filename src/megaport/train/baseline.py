@@ -48,30 +48,34 @@ def megaport_import_path() -> str | None:
     return None if folder in installed else folder
 
 
-def with_fewest_shims(start, env: dict, *, attempts: int = 8, first: tuple = ()) -> tuple:
+def with_shims_as_needed(start, env: dict, *, attempts: int = 8, first: tuple = ()) -> tuple:
     """``start(env)`` on an unported upstream, retried with one more shim each time it dies of a
     failure a shim answers: (its result, the shims it needed). ``first``: shims it starts with (a
-    model family's own needs). Any other failure is raised as it is; so is a run whose processes
-    loaded the port's code."""
+    model family's own needs). Any other failure is raised as it is."""
     names: list = list(first)
     for _ in range(attempts):
         try:
-            result = start(shims.environment(env, names))
+            return start(shims.environment(env, names)), names
         except RunFailed as exc:
             needed = shims.pick(exc.failures, names)
             if needed is None:
                 raise
             names.append(needed)
-            continue
-        loaded = result.get("baseline_port_code")
-        if loaded is None:
-            raise RuntimeError("the baseline's processes did not report what they loaded (megaport's "
-                               "baseline start-up did not run in them): the baseline cannot be trusted")
-        if loaded:
-            raise RuntimeError(f"the unported baseline loaded the port's code ({', '.join(loaded)}): "
-                               "loss parity against it would compare the port with itself")
-        return result, names
     raise RuntimeError(f"the unported upstream did not start even with the shims {names}")
+
+
+def with_fewest_shims(start, env: dict, *, attempts: int = 8, first: tuple = ()) -> tuple:
+    """:func:`with_shims_as_needed` for a baseline run, whose processes must report that they loaded
+    none of the port's code: a run that did is an error, never a parity figure."""
+    result, names = with_shims_as_needed(start, env, attempts=attempts, first=first)
+    loaded = result.get("baseline_port_code")
+    if loaded is None:
+        raise RuntimeError("the baseline's processes did not report what they loaded (megaport's "
+                           "baseline start-up did not run in them): the baseline cannot be trusted")
+    if loaded:
+        raise RuntimeError(f"the unported baseline loaded the port's code ({', '.join(loaded)}): "
+                           "loss parity against it would compare the port with itself")
+    return result, names
 
 
 #: what an unported run that loads a checkpoint starts with, where it applies: eras that print a refused

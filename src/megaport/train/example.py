@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass
 
 from megaport.errors import MegaportError
+from megaport.train.failure import RunFailed
 from megaport.train.tree_files import first_file, tree_says, tree_text
 
 #: The example scripts, newest layout first; a tree that has one is read.
@@ -159,42 +160,41 @@ def parser_help_flags(tree: str) -> frozenset:
 
     if tree not in _HELP_CACHE:
         folder = _unported_folder(tree)
-        stdout, stderr = _run_to_the_parser(folder)
-        lines = [line[len(OPTIONS):] for line in stdout.splitlines() if line.startswith(OPTIONS)]
-        if not lines:  # no parser, no era facts: every flag would read as absent and its layouts vanish
+        try:
+            stdout = _run_to_the_parser(folder)
+        except RuntimeError as exc:  # (RunFailed among them) no parser, no era facts: every flag would read as absent and its layouts vanish
             raise MegaportError(f"upstream's pretrain_gpt.py ({folder}) stopped before its argument parser, so "
-                                f"the era's flags cannot be read: {_last_error(stderr, folder)}", exit_code=2)
+                                f"the era's flags cannot be read: {_last_error(str(exc), folder)}", exit_code=2)
+        lines = [line[len(OPTIONS):] for line in stdout.splitlines() if line.startswith(OPTIONS)]
         _HELP_CACHE[tree] = frozenset(json.loads(lines[0]))
     return _HELP_CACHE[tree]
 
 
-def _run_to_the_parser(folder: str, attempts: int = 4) -> tuple:
-    """(stdout, stderr) of upstream's pretrain_gpt.py in ``folder`` run to its argument parser; where
-    it dies of a failure a baseline shim answers (an upstream window whose imports fail on every
-    machine: main 5f5741db9b's experts imported a module upstream never had), once more with that
-    shim, as the unported baseline runs: a shim mends an import, never the parser it reaches."""
+def _run_to_the_parser(folder: str) -> str:
+    """The stdout of upstream's pretrain_gpt.py in ``folder`` run to its argument parser, as the
+    unported baseline runs (:func:`megaport.train.baseline.with_shims_as_needed`): where it dies of a
+    failure a baseline shim answers (an upstream window whose imports fail on every machine: main
+    5f5741db9b's experts imported a module upstream never had), once more with that shim, which
+    mends an import, never the parser it reaches. RunFailed (its stderr) where it never gets there."""
     import subprocess
     import sys
     import tempfile
 
     from megaport.envpaths import with_paths_first
     from megaport.train import failure
+    from megaport.train.baseline import with_shims_as_needed
     from megaport.train.launch import OPTIONS
-    from megaport.train.shims import registry as shims
 
-    names: list = []
-    for _ in range(attempts):
+    def to_the_parser(env: dict) -> str:
         with tempfile.TemporaryDirectory(prefix="megaport-parser-") as failures:
-            env = shims.environment(with_paths_first(None, folder), names) if names else with_paths_first(None, folder)
             proc = subprocess.run([sys.executable, "-m", "megaport.train.launch", "--list-options", "--cpu",
                                    "pretrain_gpt.py"], cwd=folder, env={**env, failure.FAILURE_DIR_ENV: failures},
                                   capture_output=True, text=True, stdin=subprocess.DEVNULL)
-            died_of = failure.read(failures)
-        needed = None if OPTIONS in proc.stdout else shims.pick(died_of, names)
-        if needed is None:
-            break
-        names.append(needed)
-    return proc.stdout, proc.stderr
+            if OPTIONS not in proc.stdout:
+                raise RunFailed(proc.stderr, failure.read(failures))
+        return proc.stdout
+
+    return with_shims_as_needed(to_the_parser, with_paths_first(None, folder), attempts=4)[0]
 
 
 def _last_error(stderr: str, folder: str = "") -> str:

@@ -11,8 +11,9 @@ import sys
 
 from megaport.train.preloaded import protocol
 
-#: what torchrun (or a user's Ctrl-C) may send the rank: passed on to the child that is the rank
+#: how each kind of process is named in its start line
 _NAMES = {"rank": "rank", "launcher": "torchrun"}
+#: what torchrun (or a user's Ctrl-C) may send the rank: passed on to the child that is the rank
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 

@@ -321,7 +321,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("socket")
     parser.add_argument("script")
@@ -341,8 +341,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # no atexit of the imports (a baseline's audit would report into a finished run's folder)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
