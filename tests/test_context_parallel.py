@@ -23,7 +23,7 @@ import megaport.replacements as replacements  # noqa: E402
 from support import cp_worker  # noqa: E402
 
 _HERE = Path(replacements.__file__).parent
-# where the port package keeps it, else beside rocm_port.py
+# the port package's module, the file every series carries
 SOURCE = _HERE / "rocm_port" / "context_parallel.py"
 
 FP64_TOL = 1e-10  # relative to the reference's largest magnitude
