@@ -73,3 +73,14 @@ def test_a_zero_grad_norm_agrees_with_zero_and_fails_against_anything_else():
     assert problems == [] and compared["grad_norm_max_relative_difference"] == 0
     compared, problems = _problems(_run(LEARNING, NORMS), _run(LEARNING, zeros))
     assert compared["grad_norm_max_relative_difference"] == float("inf") and len(problems) == 1
+
+
+def test_the_report_says_a_loss_that_rose_with_a_plus():
+    """A resumed window of 10 iterations may end above where it began: the report said "loss --1%"."""
+    from megaport.train.checks.spec import loss_figures
+
+    rising = parity.loss_parity(_run(LEARNING[::-1], NORMS), _run(LEARNING[::-1], NORMS))
+    falling = parity.loss_parity(_run(LEARNING, NORMS), _run(LEARNING, NORMS))
+    assert loss_figures(rising).endswith("loss +59%") and "--" not in loss_figures(rising)
+    assert loss_figures(falling).endswith("loss -37%")
+    assert parity.loss_change(0.0) == "loss +0%"

@@ -250,12 +250,13 @@ def family_row(facts: dict) -> str:
     norms = (f", grad norm {parity['grad_norm_max_relative_difference']:.1e}"
              if parity.get("grad_norm_compared") else "")
     verdict = "holds" if not parity.get("problems") else "FAILS: " + parity["problems"][0].splitlines()[0]
+    from megaport.train.parity import loss_change
     from megaport.train.shims.registry import REGISTRY
 
     names = {shim.DESCRIPTION: name for name, shim in REGISTRY.items()}
     shims = [names.get(s, s) for s in parity.get("baseline_shims") or []]
     return (text + f"; parity {verdict} (loss {parity['max_relative_difference']:.1e}{norms} over "
-            f"{len(parity['iterations'])}, upstream's loss -{parity['loss_drop']:.0%}); baseline shims: "
+            f"{len(parity['iterations'])}, upstream's {loss_change(parity['loss_drop'])}); baseline shims: "
             + (", ".join(shims) or "none"))
 
 

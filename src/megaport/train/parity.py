@@ -154,6 +154,12 @@ def loss_drop(losses: list, window: int = 5) -> float:
     return (first - last) / abs(first)
 
 
+def loss_change(drop: float) -> str:
+    """``loss_drop`` as a report says it: "loss -14%" where it fell, "loss +1%" where it rose (a
+    resumed window of 10 iterations may rise; "loss --1%" was the old text)."""
+    return f"loss {-drop + 0.0:+.0%}"  # + 0.0: no "-0%" where nothing changed
+
+
 def _nones(run: dict) -> list:
     return [None] * len(run["iterations"])
 

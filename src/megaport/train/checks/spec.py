@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megaport.train.parity import loss_change
+
 
 @dataclass(frozen=True)
 class Context:
@@ -45,4 +47,4 @@ def loss_figures(compared: dict) -> str:
     within = compared.get("tolerance")
     norms += f" (tolerance {within['loss']:.0e}: {within['why']})" if within else ""
     return (f"loss {compared['max_relative_difference']:.1e}{norms} over {len(compared['iterations'])}, "
-            f"loss -{compared['loss_drop']:.0%}")
+            + loss_change(compared["loss_drop"]))
