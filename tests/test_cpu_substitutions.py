@@ -81,6 +81,16 @@ def test_install_then_undo_leaves_torch_exactly_as_it_was(clean):
             torch.zeros(1, device="cuda")  # the placement mode is off
 
 
+def test_the_trees_code_sees_a_device_per_rank_of_the_node_as_on_a_gpu_box(clean, monkeypatch):
+    """The fork's 2021 tree takes its local rank as rank % device_count() and DeepSpeed's engine
+    asserts it is torchrun's LOCAL_RANK: with one device, rank 1 of 2 said 0 and TP2 never started."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with cpu_substitutions.install(torch, "training"):
+        assert torch.cuda.device_count() == 1  # one process, no torchrun: one device
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # read at each call: a forked rank gets it late
+        assert [rank % torch.cuda.device_count() for rank in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
 def test_an_installation_undoes_what_it_applied_and_leaves_the_rest(clean):
     before = _snapshot()
     cpu_substitutions.install(torch, "process-group")

@@ -355,14 +355,25 @@ def _gloo_collectives(patch: Patch, torch) -> None:
         patch.set(torch.distributed, name, function)
 
 
+def _devices_of_this_node() -> int:
+    """One device per rank of this node, as on a GPU box where torchrun starts a rank per GPU.
+
+    Upstream and the fork derive the local rank as ``rank % device_count()``: the fork's 2021
+    ``_initialize_distributed`` then hands it to DeepSpeed's engine, which asserts it equals torchrun's
+    LOCAL_RANK (with one device, rank 1 of 2 said 0 and TP2 stopped before its first iteration).
+    Read at each call: a rank forked from preloaded imports gets its LOCAL_WORLD_SIZE after the import."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 @substitution("device-queries")
 def _device_queries(patch: Patch, torch) -> None:
-    """Upstream asks for a GPU and checks its capability: the tree's code sees one, MI300X's (9, 4).
+    """Upstream asks for a GPU and checks its capability: the tree's code sees one per rank of this
+    node (see _devices_of_this_node), MI300X's (9, 4).
 
     Its name is 'CPU', its memory the host's; torch's own code still sees none (see _to_the_tree)."""
     cuda = torch.cuda
     patch.set(cuda, "is_available", _to_the_tree(cuda.is_available, lambda: True))
-    patch.set(cuda, "device_count", _to_the_tree(cuda.device_count, lambda: 1))
+    patch.set(cuda, "device_count", _to_the_tree(cuda.device_count, _devices_of_this_node))
     patch.set(cuda, "get_device_name", _to_the_tree(cuda.get_device_name, lambda device=None: "CPU"))
     # The capability ROCm's torch reports for the GPUs the port targets (MI300X: gfx942, (9, 4)), so
     # upstream's capability checks pass as they do there (--moe-grouped-gemm asserts >= 8); no TE or
@@ -572,9 +583,7 @@ def _deepspeed_accelerator(patch: Patch, torch) -> None:
             patch.set(cls, "is_fp16_supported", lambda self: True)
             patch.set(cls, "is_bf16_supported", lambda self: True)
             patch.set(cls, "current_device_name", lambda self: "cpu")
-            # one device per rank of this node, as on a GPU box: the fork sets args.local_rank to
-            # rank % device_count, which DeepSpeed's engine checks against torchrun's LOCAL_RANK
-            patch.set(cls, "device_count", lambda self: int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            patch.set(cls, "device_count", lambda self: _devices_of_this_node())
 
     # On the package, not on cuda_accelerator itself: the port's own after-import finder (for
     # DeepSpeed's legacy tensor types) comes first on sys.meta_path and would answer for that module.
@@ -616,7 +625,8 @@ PROFILES: dict[str, Profile] = {
             "collectives gloo refuses (MoE dispatch): all_to_all_single split sizes given as tensors, uneven "
             "all_to_all and all_gather lists, each done with gloo's own collectives; the one-tensor all-gather of an input "
             "that requires grad (2022's pipeline recv buffers) under no_grad, as NCCL's",
-            "device queries: the tree's code sees one device, torch's own sees none; set_device no-op; "
+            "device queries: the tree's code sees one device per rank of this node (the local rank is "
+            "rank % device_count, as on a GPU box), torch's own sees none; set_device no-op; "
             "current_device() -> 'cpu'; name 'CPU', capability (9, 4) (MI300X's, so upstream's capability checks "
             "pass as there), the host's memory",
             "device placement: device='cuda'/index, .cuda(), .to('cuda') and torch.cuda.*Tensor stay on the CPU "
