@@ -1309,3 +1309,73 @@ def test_where_the_decorator_comes_from_utils_the_port_and_the_shim_leave_the_ex
     assert port_support.load().upstream_fixes._fixed_module_code(DECORATED_NAME, fixed, "x.py") is None
     assert registry.REGISTRY["deprecated-decorator-import"].moved_import(fixed) == fixed
     assert registry.applies("deprecated-decorator-import", str(tmp_path)) is False
+
+
+#: core's TransformerConfig from 3316e811cc until 8b9a2510f5 (the fork's until d9fa3022), as far as
+#: its recomputation checks go; its base class's __post_init__ is called through super()
+TRANSFORMER_CONFIG = '''
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelParallelConfig:
+    sequence_parallel_enabled: bool = False
+
+    def __post_init__(self):
+        pass
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    recompute_granularity: str = None
+    recompute_method: str = None
+    recompute_num_layers: int = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.recompute_granularity is not None:
+            if not self.recompute_granularity in ['full', 'selective']:
+                raise ValueError(f'When using recompute_granuarlity: {self.recompute_granularity} must be "full" or "selective".')
+
+            if self.recompute_method is not None:
+                if not self.recompute_method in ['block', 'uniform']:
+                    raise ValueError(f'recompute_method: {self.recompute_method} must be "block" or "uniform".')
+            else:
+                raise ValueError(
+                    f'Using recompute_granularity: {self.recompute_granularity} so recompute_method must be "block" or "uniform"'
+                )
+
+            if self.recompute_num_layers is None:
+                raise ValueError(f'When using recompute_granularity: {self.recompute_granularity} so recompute_num_layers must be set')
+'''
+
+
+def _transformer_config(tmp_path, source=TRANSFORMER_CONFIG):
+    return _upstream_module(tmp_path / "megatron/core/transformer/transformer_config.py",
+                            "megatron.core.transformer.transformer_config", source)
+
+
+def test_unfixed_selective_recomputation_asks_for_a_method_and_the_shim_answers_it(tmp_path):
+    with pytest.raises(ValueError, match="so recompute_method must be") as raised:
+        _transformer_config(tmp_path).TransformerConfig(recompute_granularity="selective", recompute_num_layers=1)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "selective-recompute-method"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_selective_recomputation_takes_no_method_as_upstreams_fix_does(tmp_path, fix):
+    module = _fixed_by(_transformer_config(tmp_path), fix, "selective-recompute-method", "selective_without_method")
+    config = module.TransformerConfig(recompute_granularity="selective", recompute_num_layers=1)
+    assert (config.recompute_granularity, config.recompute_method) == ("selective", None)
+    with pytest.raises(ValueError, match="so recompute_method must be"):  # full recomputation still needs one
+        module.TransformerConfig(recompute_granularity="full", recompute_num_layers=1)
+    with pytest.raises(ValueError, match="must be \"full\" or \"selective\""):
+        module.TransformerConfig(recompute_granularity="some", recompute_method="block")
+
+
+def test_where_upstream_checks_the_method_for_full_recomputation_alone_the_port_leaves_it(tmp_path):
+    module = _transformer_config(tmp_path, TRANSFORMER_CONFIG.replace(
+        "            else:\n                raise ValueError(\n                    f'Using",
+        "            elif self.recompute_granularity != 'selective':\n                raise ValueError(\n                    f'Using"))
+    check = module.TransformerConfig.__post_init__
+    port_support.load().upstream_fixes._selective_recompute_takes_no_method(module)
+    assert module.TransformerConfig.__post_init__ is check

@@ -24,6 +24,7 @@ One module per concern: ``era`` (the era constants), ``say`` (its one-line messa
 (TransformerEngine's layers and specs), ``te_features`` (norms, MoE, MLA, FP8),
 ``optimizer_state`` (torch's Adam step for the distributed optimizer), ``checkpoint_keys`` (TE's and the
 local spec's key spellings), ``softmax``, ``attention`` (SDPA), ``context_parallel`` (CP without TE), ``upstream_fixes`` (upstream's own bugs in a window),
+``fork_fixes`` (Megatron-DeepSpeed's),
 ``apex_substitutes``, ``distributed`` and ``hooks``
 (what importing the port installs).  Upstream imports every name from the package
 itself, which re-exports them; the modules import each other relatively, so the

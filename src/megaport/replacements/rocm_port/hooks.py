@@ -56,6 +56,7 @@ from .upstream_fixes import (
     _no_group_of_no_ranks,
     _norm_without_the_removed_flag,
     _rank_logged_without_a_group,
+    _selective_recompute_takes_no_method,
     _t5_decoder_output_pads_zeroed,
     _tied_weights_grad_hook,
     _tied_weights_keep_both_gradients,
@@ -63,6 +64,11 @@ from .upstream_fixes import (
     _weights_gathered_before_save,
     _SOURCE_FIXES,
     _fixed_module_code,
+)
+from .fork_fixes import (
+    _deepspeed_save_takes_destination,
+    _pipe_transposes_once,
+    _sequence_parallel_grads_summed_under_deepspeed,
 )
 from .te_features import (
     _TE_NONE_NAMES,
@@ -108,7 +114,9 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.parallel_state": _no_group_of_no_ranks,
     "megatron.training.arguments": _arguments_validate_twice,
     "megatron.training.checkpointing": (_rank_logged_without_a_group, _weights_gathered_before_save),
-    "megatron.checkpointing": _weights_gathered_before_save,  # its name until 2024-03-26
+    # the fork's save first: it recompiles save_checkpoint, which the gather then wraps
+    "megatron.checkpointing": (_deepspeed_save_takes_destination, _weights_gathered_before_save),  # name until 2024-03-26
+    "megatron.core.transformer.transformer_config": _selective_recompute_takes_no_method,
     "megatron.legacy.model.utils": _norm_without_the_removed_flag,
     "megatron.core.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,
     "megatron.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,  # its name until 2024-02-13
@@ -123,6 +131,9 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.transformer.multi_latent_attention": (_mla_hands_its_query_to_the_cache_update,  # first: recompiles forward
                                                           _mla_takes_the_layers_keywords),
     "megatron.core.transformer.moe.token_dispatcher": _dispatcher_sorts_by_viewed_counts,
+    # Megatron-DeepSpeed's own (.fork_fixes)
+    "megatron.training": _sequence_parallel_grads_summed_under_deepspeed,
+    "megatron.model.gpt_model": _pipe_transposes_once,
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.

@@ -761,3 +761,46 @@ def _dispatcher_sorts_by_viewed_counts(module) -> None:
     dispatcher = getattr(module, "MoEAlltoAllTokenDispatcher", None)
     if dispatcher is not None:
         _replaced_by_fix(dispatcher, "preprocess", _CountsViewedPerLocalExpert(), module, _LOCAL_EXPERT_SPLITS)
+
+
+_SELECTIVE = ("selective recomputation takes no recompute method, as upstream's 8b9a2510f5 has it (TransformerConfig "
+              "asked for one, which the parser refuses beside selective: it never started)")
+
+
+def _refuses_selective_without_a_method(post_init) -> bool:
+    """Whether ``post_init`` raises for a missing recompute method whatever the granularity: its
+    ``if self.recompute_method is not None:`` has a bare ``raise`` for its ``else``."""
+    try:
+        lines, first = inspect.getsourcelines(post_init)
+    except (OSError, TypeError):
+        return False
+    return any(isinstance(node, ast.If) and ast.unparse(node.test) == "self.recompute_method is not None"
+               and len(node.orelse) == 1 and isinstance(node.orelse[0], ast.Raise)
+               for node in ast.walk(_parsed_at_its_lines("".join(lines), first)))
+
+
+def _selective_recompute_takes_no_method(module) -> None:
+    """From 3316e811cc (main 2023-06-29, core's TransformerConfig) until 8b9a2510f5 (main 2023-07-06;
+    Megatron-DeepSpeed until d9fa3022, 2023-09-18) ``--recompute-granularity selective`` needed a
+    recompute method, which the parser refuses beside it: selective recomputation never started
+    (``ValueError``). As upstream's fix, the method check is for full recomputation alone: the
+    check passes a method for the call and the config keeps none."""
+    cls = getattr(module, "TransformerConfig", None)
+    original = getattr(cls, "__post_init__", None)
+    if (original is None or getattr(original, "__rocm_port_fixed__", False)
+            or not _refuses_selective_without_a_method(original)):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        if self.recompute_granularity != "selective" or self.recompute_method is not None:
+            return original(self, *args, **kwargs)
+        say_once(_SELECTIVE)
+        self.recompute_method = "uniform"
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.recompute_method = None
+
+    __post_init__.__rocm_port_fixed__ = True
+    cls.__post_init__ = __post_init__
