@@ -249,5 +249,39 @@ def test_the_fork_fixes_are_after_import_steps_of_the_modules_they_fix():
     port = port_support.load()
     for name, step in (("megatron.training", "_sequence_parallel_grads_summed_under_deepspeed"),
                        ("megatron.model.gpt_model", "_pipe_transposes_once"),
+                       ("megatron.model.gpt_model", "_model_takes_the_pipes_patterns"),
                        ("megatron.checkpointing", "_deepspeed_save_takes_destination")):
         assert step in [s.__name__ for s in port.after_import_steps(name)], name
+
+
+#: gpt_model.py at 71e8407c … df0e2e42 as far as its universal-checkpoint info goes
+UNIVERSAL_INFO = '''
+class GPTModel:
+    def _get_vocab_param_patterns(self):
+        return [r"tied_modules.embed.word_embeddings.weight"]
+
+    def universal_checkpoint_info(self):
+        return {"vocabulary": self._get_vocab_param_patterns(),
+                "tp_replicated": self._get_tp_replicated_param_patterns(),
+                "row_parallel": self._get_row_parallel_param_patterns()}
+
+
+class GPTModelPipe:
+    @staticmethod
+    def _get_tp_replicated_param_patterns():
+        return [r"\\d+.input_layernorm.weight"]
+
+    @staticmethod
+    def _get_row_parallel_param_patterns():
+        return [r"\\d+.mlp.dense_4h_to_h.weight"]
+'''
+
+
+def test_unfixed_gpt_models_universal_info_asks_for_the_pipes_methods_and_the_port_gives_them(tmp_path):
+    with pytest.raises(AttributeError, match="_get_tp_replicated_param_patterns"):
+        _gpt_model(tmp_path / "unfixed", UNIVERSAL_INFO).GPTModel().universal_checkpoint_info()
+    module = _ported(_gpt_model(tmp_path / "port", UNIVERSAL_INFO))
+    assert module.GPTModel().universal_checkpoint_info() == {
+        "vocabulary": [r"tied_modules.embed.word_embeddings.weight"], "tp_replicated": [r"\d+.input_layernorm.weight"],
+        "row_parallel": [r"\d+.mlp.dense_4h_to_h.weight"]}
+    assert module.GPTModelPipe._get_tp_replicated_param_patterns() == [r"\d+.input_layernorm.weight"]

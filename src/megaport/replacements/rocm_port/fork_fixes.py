@@ -118,3 +118,25 @@ def _deepspeed_save_takes_destination(module) -> None:
     model's took no such argument, so no checkpoint was written (``TypeError``). Upstream's function
     with the fork's fix (:func:`.upstream_fixes._recompiled`); nothing changes where it is not there."""
     _replaced_by_fix(module, "save_checkpoint", _StateDictTakingDestination(), module, _SAVE_DESTINATION)
+
+
+_PIPE_PATTERNS = ("GPTModel's universal-checkpoint info takes the parameter patterns GPTModelPipe's does (from the "
+                  "fork's 71e8407c until df0e2e42 it asked for methods only GPTModelPipe had: nothing saved at TP > 1)")
+
+
+def _model_takes_the_pipes_patterns(module) -> None:
+    """From the fork's 71e8407c (2023-12-14) until df0e2e42 (2024-03-10) ``GPTModel.universal_checkpoint_info``
+    called ``_get_tp_replicated_param_patterns`` and ``_get_row_parallel_param_patterns``, which only
+    GPTModelPipe defined: under DeepSpeed's engine without its pipeline no checkpoint was written at
+    TP > 1 (``AttributeError``). GPTModel is given GPTModelPipe's, which its vocabulary patterns already
+    follow; df0e2e42 rewrote both for universal checkpoints, which the fork did not convert for GPTModel."""
+    model, pipe = getattr(module, "GPTModel", None), getattr(module, "GPTModelPipe", None)
+    info = getattr(model, "universal_checkpoint_info", None)
+    if pipe is None or not hasattr(info, "__code__"):
+        return
+    missing = [name for name in info.__code__.co_names
+               if name.startswith("_get_") and not hasattr(model, name) and name in vars(pipe)]
+    for name in missing:
+        setattr(model, name, vars(pipe)[name])
+    if missing:
+        say_once(_PIPE_PATTERNS)

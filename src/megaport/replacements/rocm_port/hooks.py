@@ -67,6 +67,7 @@ from .upstream_fixes import (
 )
 from .fork_fixes import (
     _deepspeed_save_takes_destination,
+    _model_takes_the_pipes_patterns,
     _pipe_transposes_once,
     _sequence_parallel_grads_summed_under_deepspeed,
 )
@@ -133,7 +134,7 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.core.transformer.moe.token_dispatcher": _dispatcher_sorts_by_viewed_counts,
     # Megatron-DeepSpeed's own (.fork_fixes)
     "megatron.training": _sequence_parallel_grads_summed_under_deepspeed,
-    "megatron.model.gpt_model": _pipe_transposes_once,
+    "megatron.model.gpt_model": (_pipe_transposes_once, _model_takes_the_pipes_patterns),
 }
 
 # What Megatron-DeepSpeed's code needs of today's DeepSpeed right after a module loads.
