@@ -250,7 +250,8 @@ def test_the_fork_fixes_are_after_import_steps_of_the_modules_they_fix():
     for name, step in (("megatron.training", "_sequence_parallel_grads_summed_under_deepspeed"),
                        ("megatron.model.gpt_model", "_pipe_transposes_once"),
                        ("megatron.model.gpt_model", "_model_takes_the_pipes_patterns"),
-                       ("megatron.checkpointing", "_deepspeed_save_takes_destination")):
+                       ("megatron.checkpointing", "_deepspeed_save_takes_destination"),
+                       ("megatron.checkpointing", "_load_takes_load_only_weights")):
         assert step in [s.__name__ for s in port.after_import_steps(name)], name
 
 
@@ -285,3 +286,33 @@ def test_unfixed_gpt_models_universal_info_asks_for_the_pipes_methods_and_the_po
         "vocabulary": [r"tied_modules.embed.word_embeddings.weight"], "tp_replicated": [r"\d+.input_layernorm.weight"],
         "row_parallel": [r"\d+.mlp.dense_4h_to_h.weight"]}
     assert module.GPTModelPipe._get_tp_replicated_param_patterns() == [r"\d+.input_layernorm.weight"]
+
+
+#: load_checkpoint at 9e72d571: the merge dropped its load_only_weights parameter, which it still reads
+LOAD_CHECKPOINT = '''
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg='load', strict=True):
+    state_dict = {"iteration": 15}
+    if load_only_weights:
+        iteration = 0
+    else:
+        iteration = state_dict["iteration"]
+    return iteration
+'''
+
+
+def _loading(tmp_path):
+    return _upstream_module(tmp_path / "megatron/checkpointing.py", "megatron.checkpointing", LOAD_CHECKPOINT)
+
+
+def test_unfixed_no_resume_starts_and_the_shim_answers_it(tmp_path):
+    with pytest.raises(NameError, match="load_only_weights") as raised:
+        _loading(tmp_path).load_checkpoint([None], None, None)
+    assert registry.pick([failure.from_exception(raised.value)], []) == "fork-load-only-weights"
+
+
+@pytest.mark.parametrize("fix", ["port", "shim"])
+def test_a_resume_loads_its_iteration_as_the_forks_fix_does(tmp_path, fix):
+    module = _fixed_by(_loading(tmp_path), fix, "fork-load-only-weights", "load_only_weights_false")
+    assert module.load_checkpoint([None], None, None) == 15
+    if fix == "port":  # the fork's parameter back: a call asking for the weights alone gets them
+        assert module.load_checkpoint([None], None, None, strict=True, load_only_weights=True) == 0

@@ -140,3 +140,31 @@ def _model_takes_the_pipes_patterns(module) -> None:
         setattr(model, name, vars(pipe)[name])
     if missing:
         say_once(_PIPE_PATTERNS)
+
+
+_LOAD_ONLY_WEIGHTS = ("the fork's load_checkpoint takes load_only_weights (False unless asked), as the fork's 38881e2d "
+                      "does (from its 2023-07-04 merge it read the name undefined: no checkpoint was loaded)")
+
+
+class _ParameterItReads(ast.NodeTransformer):
+    """``def load_checkpoint(..., strict=True)`` whose body reads ``load_only_weights`` ->
+    ``def load_checkpoint(..., strict=True, load_only_weights=False)``: the fork's 38881e2d."""
+
+    found = False
+
+    def visit_FunctionDef(self, node):
+        names = {arg.arg for arg in node.args.args + node.args.kwonlyargs}
+        if node.name == "load_checkpoint" and "load_only_weights" not in names and any(
+                isinstance(n, ast.Name) and n.id == "load_only_weights" for n in ast.walk(node)):
+            node.args.args.append(ast.arg(arg="load_only_weights"))
+            node.args.defaults.append(ast.Constant(value=False))
+            self.found = True
+        return node
+
+
+def _load_takes_load_only_weights(module) -> None:
+    """From the fork's merge of upstream main (9e72d571, 2023-07-04) until its 38881e2d (2023-07-11)
+    ``load_checkpoint`` read ``load_only_weights``, the parameter the merge had dropped from its
+    signature: every resume stopped before its first iteration (``NameError``). Upstream's function
+    with the fork's parameter back (:func:`.upstream_fixes._recompiled`)."""
+    _replaced_by_fix(module, "load_checkpoint", _ParameterItReads(), module, _LOAD_ONLY_WEIGHTS)

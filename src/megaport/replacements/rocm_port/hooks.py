@@ -67,6 +67,7 @@ from .upstream_fixes import (
 )
 from .fork_fixes import (
     _deepspeed_save_takes_destination,
+    _load_takes_load_only_weights,
     _model_takes_the_pipes_patterns,
     _pipe_transposes_once,
     _sequence_parallel_grads_summed_under_deepspeed,
@@ -116,7 +117,8 @@ _AFTER_IMPORT_UPSTREAM_FIXES = {
     "megatron.training.arguments": _arguments_validate_twice,
     "megatron.training.checkpointing": (_rank_logged_without_a_group, _weights_gathered_before_save),
     # the fork's save first: it recompiles save_checkpoint, which the gather then wraps
-    "megatron.checkpointing": (_deepspeed_save_takes_destination, _weights_gathered_before_save),  # name until 2024-03-26
+    "megatron.checkpointing": (_deepspeed_save_takes_destination, _load_takes_load_only_weights,  # name until 2024-03-26
+                               _weights_gathered_before_save),
     "megatron.core.transformer.transformer_config": _selective_recompute_takes_no_method,
     "megatron.legacy.model.utils": _norm_without_the_removed_flag,
     "megatron.core.optimizer.optimizer": _chained_optimizers_clip_by_one_norm,

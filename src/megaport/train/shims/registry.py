@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from megaport.train.shims import (apex_pytorch, bert_te_spec, chained_clip_total_norm, cpu_init_rank_name, dcp_write_item, deprecated_decorator_import, deepspeed_compression, deepspeed_loss_scale, dp_reshardable_no_grad,
-                                  deepspeed_tensor_types, empty_rank_groups, fork_attention_view, fork_bert_loss, fork_bert_moe_losses, fork_deepspeed_train, fork_pipe_transposes, fork_save_destination,
+                                  deepspeed_tensor_types, empty_rank_groups, fork_attention_view, fork_bert_loss, fork_bert_moe_losses, fork_deepspeed_train, fork_load_only_weights, fork_pipe_transposes, fork_save_destination,
                                   fork_fp16_loss_scale, fork_train_step, fp8_shard_without_te, fork_legacy_mpu, fork_t5_loss, fork_t5_moe_losses,
                                   fused_kernel_build, grouped_gemm_loop, kernel_masked_rows, layer_count_mpu, mla_attention,
                                   mla_cache_update_query, mla_cp_comm_type, mla_rotary_cos_sin, mla_sequence_len_offset,
@@ -27,7 +27,7 @@ REGISTRY = {shim.NAME: shim for shim in (
     fork_train_step, fork_bert_loss, torch_load_trusting, empty_rank_groups, chained_clip_total_norm,
     t5_decoder_output_pads, dp_reshardable_no_grad, overlap_gather_save, dcp_write_item, save_plan_iobytes_once,
     moe_spec_use_te, cpu_init_rank_name, layer_count_mpu, fork_pipe_transposes, fork_save_destination,
-    selective_recompute_method)}
+    selective_recompute_method, fork_load_only_weights)}
 SHIMS_ENV = "MEGAPORT_BASELINE_SHIMS"
 _STARTUP = Path(__file__).with_name("startup")
 
