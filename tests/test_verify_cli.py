@@ -233,3 +233,17 @@ def test_chosen_layouts_and_checks_reach_the_suite(tmp_path):
     assert "--megaport-layouts=tp2-sp,cp2" in command and "--megaport-checks=one-rank" in command
     assert "--megaport-layouts=none" in verify_mod.pytest_command(
         "python", tmp_path, "cpu", "uniform", "s", tmp_path / "r.json", None, None, color=False, layouts=[])
+
+
+def test_a_layout_row_names_the_shims_unported_upstream_needed():
+    """A layout compared with unported upstream says which shims that baseline took, by name, as the
+    family rows do; a check that never ran the baseline says nothing of shims."""
+    from megaport.train.shims.registry import REGISTRY
+
+    parity = {"max_relative_difference": 1e-6, "iterations": list(range(30)), "loss_drop": 0.13, "problems": []}
+    row = verify_mod.layout_row({
+        "upstream": {**parity, "against": "unported upstream, fusions off, same layout and start",
+                     "baseline_shims": [REGISTRY["apex"].DESCRIPTION, REGISTRY["fork-pipe-transposes"].DESCRIPTION]},
+        "one-rank": {**parity, "against": "one rank from the same initialisation"}})
+    assert "same layout and start holds (" in row and "baseline shims: apex, fork-pipe-transposes)" in row
+    assert row.count("baseline shims") == 1

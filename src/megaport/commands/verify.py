@@ -251,13 +251,19 @@ def family_row(facts: dict) -> str:
              if parity.get("grad_norm_compared") else "")
     verdict = "holds" if not parity.get("problems") else "FAILS: " + parity["problems"][0].splitlines()[0]
     from megaport.train.parity import loss_change
+
+    return (text + f"; parity {verdict} (loss {parity['max_relative_difference']:.1e}{norms} over "
+            f"{len(parity['iterations'])}, upstream's {loss_change(parity['loss_drop'])}); baseline shims: "
+            + shim_names(parity.get("baseline_shims")))
+
+
+def shim_names(described) -> str:
+    """The baseline shims a comparison with unported upstream needed, by name (a run records each by
+    its description), or "none"."""
     from megaport.train.shims.registry import REGISTRY
 
     names = {shim.DESCRIPTION: name for name, shim in REGISTRY.items()}
-    shims = [names.get(s, s) for s in parity.get("baseline_shims") or []]
-    return (text + f"; parity {verdict} (loss {parity['max_relative_difference']:.1e}{norms} over "
-            f"{len(parity['iterations'])}, upstream's {loss_change(parity['loss_drop'])}); baseline shims: "
-            + (", ".join(shims) or "none"))
+    return ", ".join(names.get(s, s) for s in described or []) or "none"
 
 
 def report(console, document: dict, state: PortState) -> None:
@@ -362,7 +368,8 @@ def _family_rows(document: dict, state: PortState):
 
 
 def layout_row(checks: dict) -> str:
-    """One family in one layout: each check's verdict and figures, and what the port said."""
+    """One family in one layout: each check's verdict and figures (and, against unported upstream, the
+    shims it needed), and what the port said."""
     from megaport.train.checks import registry as check_registry
 
     parts = []
@@ -371,7 +378,8 @@ def layout_row(checks: dict) -> str:
             parts.append(f"{name}: did not train: {compared['error']}")
             continue
         verdict = "holds" if not compared.get("problems") else "FAILS: " + compared["problems"][0].splitlines()[0]
-        parts.append(f"vs {compared.get('against', name)} {verdict} ({check_registry.CHECKS[name].figures(compared)})")
+        shims = f"; baseline shims: {shim_names(compared['baseline_shims'])}" if "baseline_shims" in compared else ""
+        parts.append(f"vs {compared.get('against', name)} {verdict} ({check_registry.CHECKS[name].figures(compared)}{shims})")
     return "; ".join(parts)
 
 
